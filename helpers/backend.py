@@ -1,0 +1,254 @@
+"""Which device we run on, and the three execution modes mapped onto it.
+
+Backends: ``tpu`` (TorchTPU, device "tpu"), ``xla`` (PyTorch/XLA, a TPU or its CPU client),
+``cuda`` and ``cpu``. Modes: ``eager``, ``defer_and_fuse`` and ``compile``.
+
+Every call into ``torch_tpu`` lives in this module, and ``torch_xla`` is imported only when
+the ``xla`` backend is asked for: importing either on a machine without their hardware can
+hang or abort the process (see ``shared/reference/torch_tpu.md``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import os
+from typing import Callable
+
+import torch
+
+BACKENDS = ("tpu", "xla", "cuda", "cpu")
+MODES = ("eager", "defer_and_fuse", "compile")
+ENV_VAR = "HELPERS_BACKEND"
+_DEFER_AND_FUSE_BACKENDS = ("tpu", "xla")
+_COMPILE_BACKEND = {"tpu": "tpu", "xla": "openxla", "cuda": "inductor", "cpu": "inductor"}
+
+
+class BackendError(RuntimeError):
+    """A backend or mode that this machine cannot give; the message says what to do."""
+
+
+def _tpu_present() -> bool:
+    # TorchTPU renames PrivateUse1 to "tpu" only when a TPU is really there; never call
+    # torch.tpu.is_available(): it raises on torch >= 2.11.
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator is not None and accelerator.type == "tpu"
+
+
+def _xla_asked() -> bool:
+    # PJRT_DEVICE is how PyTorch/XLA is told which client to make: setting it is asking for XLA.
+    return "PJRT_DEVICE" in os.environ and importlib.util.find_spec("torch_xla") is not None
+
+
+def detect() -> str:
+    """The backend this machine offers: tpu, then xla (if PJRT_DEVICE is set), cuda, cpu."""
+    if _tpu_present():
+        return "tpu"
+    if _xla_asked():
+        return "xla"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def _check_available(name: str) -> None:
+    if name == "tpu" and not _tpu_present():
+        raise BackendError(
+            "backend 'tpu' asked for, but no TPU is visible to TorchTPU: in Colab pick "
+            "Runtime > Change runtime type > v5e-1 TPU and rerun the install cell, or use "
+            f"{ENV_VAR}=cpu."
+        )
+    if name == "xla" and importlib.util.find_spec("torch_xla") is None:
+        raise BackendError(
+            "backend 'xla' asked for, but torch_xla is not installed: "
+            "pip install torch==2.9.0 torch_xla==2.9.0 (and PJRT_DEVICE=CPU without a TPU)."
+        )
+    if name == "cuda" and not torch.cuda.is_available():
+        raise BackendError(f"backend 'cuda' asked for, but torch sees no CUDA GPU: use {ENV_VAR}=cpu.")
+
+
+@dataclasses.dataclass
+class CompileCount:
+    """What was compiled inside a ``with backend.compile_counter() as c:`` block.
+
+    graphs: graphs dynamo captured for ``torch.compile``.
+    programs: device programs the backend compiled (lazy/fused and eager op programs);
+        None where the backend does not count them (cpu, cuda).
+    executions: device program launches; None where the backend does not count them.
+    """
+
+    graphs: int = 0
+    programs: int | None = None
+    executions: int | None = None
+
+
+class Backend:
+    """One backend: its device, its three modes, sync, memory and compile counts."""
+
+    def __init__(self, name: str):
+        self.name = name
+        if name == "xla":
+            os.environ.setdefault("PJRT_DEVICE", "CPU")
+            self._xla = importlib.import_module("torch_xla")
+            self._xm = importlib.import_module("torch_xla.core.xla_model")
+            self._met = importlib.import_module("torch_xla.debug.metrics")
+            self.device = self._xla.device()
+        else:
+            self.device = torch.device(name)
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, device={self.device})"
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return MODES if self.name in _DEFER_AND_FUSE_BACKENDS else ("eager", "compile")
+
+    def describe(self) -> str:
+        """One line a reader can trust: backend, device and its memory."""
+        parts = [f"backend {self.name}", f"device {self.device}"]
+        if self.name == "cuda":
+            parts.append(torch.cuda.get_device_name(self.device))
+        total = self.memory_total()
+        if total:
+            parts.append(f"{total / 2**30:.1f} GiB device memory")
+        if self.name == "xla":
+            parts.append(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+        return ", ".join(parts)
+
+    # --- waiting and memory -------------------------------------------------------------
+    def sync(self) -> None:
+        """Wait until every queued device op has finished."""
+        if self.name == "xla":
+            self._xm.wait_device_ops()
+        elif self.name in ("tpu", "cuda"):
+            torch.accelerator.synchronize()
+
+    def memory(self) -> dict[str, int] | None:
+        """Bytes in use and peak on the device, from the backend's own counters (None on cpu)."""
+        if self.name in ("tpu", "cuda"):
+            return {"in_use": torch.accelerator.memory_allocated(), "peak": torch.accelerator.max_memory_allocated()}
+        if self.name == "xla":
+            info = self._xla_memory_info()
+            return info and {"in_use": info["bytes_used"], "peak": info.get("peak_bytes_used", info["bytes_used"])}
+        return None
+
+    def _xla_memory_info(self) -> dict | None:
+        try:
+            return self._xm.get_memory_info(self.device)
+        except RuntimeError:  # the CPU client has no allocator stats ("GetAllocatorStats is not supported")
+            return None
+
+    def reset_peak_memory(self) -> None:
+        if self.name in ("tpu", "cuda"):
+            torch.accelerator.reset_peak_memory_stats()
+
+    def memory_total(self) -> int | None:
+        """Total device memory in bytes where the backend reports it."""
+        if self.name == "cuda":
+            return torch.cuda.get_device_properties(self.device).total_memory
+        if self.name == "tpu":
+            return 16 * 2**30  # HBM of one v5e chip; TorchTPU 0.2.0 has no query for it
+        if self.name == "xla":
+            return (self._xla_memory_info() or {}).get("bytes_limit")
+        return None
+
+    # --- the three modes ----------------------------------------------------------------
+    def _check_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise BackendError(f"unknown mode {mode!r}: pick one of {', '.join(MODES)}.")
+        if mode not in self.modes:
+            raise BackendError(
+                f"mode {mode!r} is not offered by backend {self.name!r}: only "
+                f"{' and '.join(_DEFER_AND_FUSE_BACKENDS)} defer and fuse ops "
+                f"(set {ENV_VAR}=xla with torch_xla installed, or run on a TPU)."
+            )
+
+    @contextlib.contextmanager
+    def mode(self, mode: str):
+        """Run the block in ``eager`` or ``defer_and_fuse`` mode (``compile`` needs no scope)."""
+        self._check_mode(mode)
+        if self.name == "tpu" and mode != "compile":
+            eager = torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "defer_and_fuse" else torch.tpu.EagerMode.DEFER_NEVER
+            with torch.tpu.set_eager_mode(eager):
+                yield
+        elif self.name == "xla":
+            was_eager = self._xla.experimental.is_eager_mode()
+            self._xla.experimental.eager_mode(mode == "eager")
+            try:
+                yield
+            finally:
+                self._xla.experimental.eager_mode(was_eager)
+        else:
+            yield
+
+    def flush(self) -> None:
+        """End a deferred group: lazy XLA runs nothing until told; TorchTPU defers until a read."""
+        if self.name == "xla":
+            self._xla.sync()
+
+    def compile(self, fn: Callable, **options) -> Callable:
+        """``torch.compile`` with this backend's compiler; static shapes unless told otherwise.
+
+        ``dynamic=False`` is what TorchTPU accepts, and it makes every new shape a new
+        compilation, which is the lesson of notebook 01.
+        """
+        options.setdefault("dynamic", False)
+        return torch.compile(fn, backend=_COMPILE_BACKEND[self.name], **options)
+
+    def in_mode(self, fn: Callable, mode: str) -> Callable:
+        """``fn`` made to run in ``mode``, its results computed (not merely queued) on return."""
+        self._check_mode(mode)
+        if mode == "compile":
+            return self.compile(fn)
+
+        def run(*args, **kwargs):
+            with self.mode(mode):
+                out = fn(*args, **kwargs)
+                if mode == "defer_and_fuse":
+                    self.flush()
+            return out
+
+        return run
+
+    # --- counting compilations ----------------------------------------------------------
+    def _device_counts(self) -> tuple[int | None, int | None]:
+        if self.name == "xla":
+            def count(metric):
+                data = self._met.metric_data(metric)
+                return data[0] if data else 0
+
+            return (count("CompileTime") + count("EagerOpCompileTime"), count("ExecuteTime") + count("EagerOpExecuteTime"))
+        if self.name == "tpu":
+            stats = torch.tpu._get_cache_stats()  # private, but the only counter TorchTPU 0.2.0 has
+            return stats["num_compilations"], stats["num_cache_reqs"]
+        return None, None
+
+    @contextlib.contextmanager
+    def compile_counter(self):
+        """Count what gets compiled inside the block (see ``CompileCount``)."""
+        from torch._dynamo.utils import counters
+
+        self.sync()  # let launches made before the block finish and be counted before it
+        graphs0 = counters["stats"]["unique_graphs"]
+        programs0, executions0 = self._device_counts()
+        result = CompileCount()
+        try:
+            yield result
+        finally:
+            self.sync()
+            programs1, executions1 = self._device_counts()
+            result.graphs = counters["stats"]["unique_graphs"] - graphs0
+            if programs0 is not None:
+                result.programs = programs1 - programs0
+                result.executions = executions1 - executions0
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """The backend named here, else by ``$HELPERS_BACKEND``, else the detected one."""
+    name = name or os.environ.get(ENV_VAR) or detect()
+    if name not in BACKENDS:
+        raise BackendError(f"unknown backend {name!r}: pick one of {', '.join(BACKENDS)} (or unset {ENV_VAR}).")
+    _check_available(name)
+    return Backend(name)

@@ -1,0 +1,144 @@
+"""Honest timing (device synced, warmed up, median of repeats) and the series' results table."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import time
+from typing import Callable
+
+from tqdm.auto import tqdm
+
+RUN_DIR_VAR = "HELPERS_RUN_DIR"
+
+
+@dataclasses.dataclass
+class Timing:
+    """Seconds per call over the timed repeats."""
+
+    times: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def min(self) -> float:
+        return min(self.times)
+
+    @property
+    def max(self) -> float:
+        return max(self.times)
+
+    def __str__(self) -> str:
+        return f"{self.median * 1e3:.3f} ms (min {self.min * 1e3:.3f}, max {self.max * 1e3:.3f}, n={len(self.times)})"
+
+
+def time_fn(fn: Callable, *args, sync: Callable[[], None], warmup: int = 2, repeats: int = 10,
+            desc: str | None = None, **kwargs) -> Timing:
+    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    ``sync`` waits for the device (``backend.sync``): without it an asynchronous device
+    returns before the work is done. Each call's output is kept alive until after the sync,
+    since a lazy backend never computes a result that was dropped.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    for _ in range(warmup):
+        out = fn(*args, **kwargs)
+        sync()
+    times = []
+    for _ in tqdm(range(repeats), desc=desc, disable=desc is None, leave=False):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        sync()
+        times.append(time.perf_counter() - start)
+    del out
+    return Timing(times)
+
+
+def tokens_per_second(tokens: int, seconds: float) -> float:
+    return tokens / seconds
+
+
+def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
+    """The folder a run's results, reference tokens and charts go to (made if missing).
+
+    Notebooks of one run share it, so a later notebook can read what an earlier one wrote:
+    ``$HELPERS_RUN_DIR`` if set, else ``runs/latest`` beside the notebooks' working folder.
+    """
+    folder = pathlib.Path(path or os.environ.get(RUN_DIR_VAR) or "runs/latest")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+class Results:
+    """The series' results table: one row per (step, label), kept in ``results.json``.
+
+    A rerun of a step replaces its row; rows of other steps are kept.
+    """
+
+    def __init__(self, folder: str | os.PathLike | None = None):
+        self.path = run_dir(folder) / "results.json"
+
+    def rows(self) -> list[dict]:
+        return json.loads(self.path.read_text()) if self.path.exists() else []
+
+    def add(self, step: str, label: str, **values) -> dict:
+        row = {"step": step, "label": label, **values}
+        rows = [r for r in self.rows() if (r["step"], r["label"]) != (step, label)]
+        rows.append(row)
+        rows.sort(key=lambda r: r["step"])
+        self.path.write_text(json.dumps(rows, indent=1))
+        return row
+
+    def table(self, columns: list[str] | None = None) -> str:
+        return table(self.rows(), columns)
+
+    def chart(self, value: str, title: str, source: str | None = None, step: str | None = None,
+              log: bool = False):
+        """A bar chart of ``value`` for every row that has it (of one ``step`` if given);
+        ``source`` names a column holding the source's own figure, drawn beside ours and
+        labelled as the source's. Saved as ``<value>.png`` in the run folder."""
+        import matplotlib.pyplot as plt
+
+        rows = [r for r in self.rows() if r.get(value) is not None and step in (None, r["step"])]
+        labels = [f"{r['step']}\n{r['label']}" for r in rows]
+        fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3.5))
+        xs = range(len(rows))
+        width = 0.4 if source else 0.8
+        ax.bar([x - width / 2 if source else x for x in xs], [r[value] for r in rows], width, label="this run")
+        if source:
+            ax.bar([x + width / 2 for x in xs], [r.get(source) or 0 for r in rows], width,
+                   label="source (TPU v5e-1)", color="tab:gray")
+            ax.legend()
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.set_ylabel(value)
+        if log:
+            ax.set_yscale("log")
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(self.path.parent / f"{value}{'_' + step.split()[0] if step else ''}.png", dpi=100)
+        return fig
+
+
+def table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A plain-text table of dict rows (columns: every key seen, in order of first use)."""
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

@@ -1,0 +1,40 @@
+"""The main job: every step of the series that exists so far, on the detected backend.
+
+    python -m helpers.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour]
+
+Runs on the tiny offline model where no TPU or real weights are at hand, prints the
+results table and writes the charts into the run folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tqdm.auto import tqdm
+
+from . import modes
+from .backend import get_backend
+from .bench import Results, run_dir
+
+STEPS = [("01 execution modes", modes.run_step)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m helpers.tour", description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected, or $HELPERS_BACKEND)")
+    parser.add_argument("--run-dir", default="runs/tour", help="where results and charts go")
+    args = parser.parse_args(argv)
+
+    backend = get_backend(args.backend)
+    print(backend.describe())
+    results = Results(run_dir(args.run_dir))
+    for name, step in tqdm(STEPS, desc="tour", unit="step"):
+        tqdm.write(f"== {name}")
+        step(backend, results)
+    print(results.table())
+    results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP)
+    print(f"results and charts in {results.path.parent}/")
+
+
+if __name__ == "__main__":
+    main()

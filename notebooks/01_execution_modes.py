@@ -1,0 +1,118 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Execution modes: eager, defer-and-fuse, `torch.compile`
+#
+# A TPU is fast only when it is handed big programs. This notebook runs one small stack of
+# ops three ways and counts what the device is asked to run:
+#
+# - **eager**: op by op, one device program per op;
+# - **defer-and-fuse**: ops are recorded, then run as one fused program when a result is
+#   needed (TorchTPU's `DEFER_AND_FUSE`, or PyTorch/XLA's lazy tensors);
+# - **`torch.compile`**: the whole function is traced ahead and compiled once per input shape.
+#
+# It runs on a TPU (TorchTPU), on PyTorch/XLA, on a GPU or on a laptop CPU; the first
+# output says which.
+
+# %% [markdown]
+# ## Set up
+# In Colab this fetches the course's `helpers` and installs only what is missing (TorchTPU
+# on a TPU runtime). On your own machine, run it from a clone after
+# `pip install -r requirements.txt`: it then installs nothing.
+
+# %%
+import importlib.util, os, subprocess, sys
+if importlib.util.find_spec("helpers") is None:  # Colab: fetch the course, then its helpers
+    repo = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")
+    subprocess.run(["git", "clone", "-q", repo, "/content/course"], check=True)
+    sys.path.insert(0, "/content/course")
+import helpers
+helpers.install_missing()
+
+# %%
+backend = helpers.get_backend()  # override: helpers.get_backend("cpu") or HELPERS_BACKEND=xla
+print(backend.describe())
+print("modes here:", ", ".join(backend.modes))
+
+# %% [markdown]
+# ## The op stack
+# **What the source measured:** on a TPU v5e-1, a stack like this ran **more than 98x
+# faster** compiled than in eager mode.
+#
+# Ten rounds of `tanh(x * 1.1 + 0.1)`: thirty tiny elementwise ops, each far too small to
+# keep a TPU busy on its own.
+
+# %%
+import inspect
+print(inspect.getsource(helpers.op_stack))
+
+# %% [markdown]
+# ## Three modes, side by side
+# **What we test:** every mode gives the same numbers; the timings are this run's own
+# (median of 20 calls after a warm-up, the device synced after each call), and where the
+# backend counts device programs, eager launches one per op while defer-and-fuse and
+# compile launch one per call.
+
+# %%
+import torch
+results = helpers.Results()
+rows = helpers.modes.run_step(backend, results)
+print(helpers.bench.table(rows))
+
+x = torch.randn(256, 256).to(backend.device)
+outs = [backend.in_mode(helpers.op_stack, mode)(x).cpu() for mode in backend.modes]
+assert all(torch.allclose(outs[0], out, atol=1e-5) for out in outs), "modes disagree"
+executions = {r["mode"]: r["executions_per_call"] for r in rows}
+if executions["eager"] is not None:  # tpu and xla count device programs
+    assert executions["eager"] > 1 and all(executions[m] == 1 for m in backend.modes if m != "eager"), executions
+
+# %%
+fig = results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup",
+                    step=helpers.modes.STEP)
+
+# %% [markdown]
+# **What you should see:** on a TPU, compile far ahead of eager (the source's grey bar is
+# its own TPU v5e-1 figure, not this run's). On a CPU the gap is small: a CPU runs a tiny op
+# in microseconds, so there is little launch cost to save. Where a mode is missing, this
+# backend does not have it:
+
+# %%
+try:
+    backend.in_mode(helpers.op_stack, "defer_and_fuse")
+    print("defer_and_fuse is available here")
+except helpers.BackendError as err:
+    print(err)
+
+# %% [markdown]
+# ## Shapes: compiled once per shape
+# **What we test:** a compiled program is reused while the input shape repeats, and a new
+# shape compiles a new one. The counter counts compilations inside its block (dynamo's
+# graphs for `torch.compile`; the device's programs for defer-and-fuse), not times.
+#
+# We compile with `dynamic=False`, as TorchTPU requires: every new shape is a new program.
+# This is why the later notebooks pad inputs to a few fixed shapes.
+
+# %%
+for mode in backend.modes:
+    if mode == "eager":
+        continue
+    demo = helpers.shape_demo(backend, mode, sizes=(64, 64, 128, 128, 96))
+    print(f"-- {mode}\n" + helpers.bench.table(demo))
+    assert [r["new_compilations"] for r in demo] == [1, 0, 1, 0, 1], demo
+
+# %% [markdown]
+# **What you should see:** `new_compilations` is 1 for 64x64, 0 when 64x64 comes again,
+# 1 for 128x128, 0 again, 1 for 96x96. Under defer-and-fuse the same holds for the fused
+# program: its cache key includes every shape, so a sequence that grows by one token per
+# step (notebook 03) compiles at every step.

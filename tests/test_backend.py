@@ -1,0 +1,124 @@
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import helpers
+from helpers.backend import BACKENDS, MODES, BackendError, get_backend
+
+from conftest import needs_xla
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    text = str(err.value)
+    assert "\n" not in text and len(text) < 300, text
+    return text
+
+
+def test_unknown_backend_is_one_actionable_line():
+    with pytest.raises(BackendError) as err:
+        get_backend("gpu")
+    assert all(name in _one_line(err) for name in BACKENDS)
+
+
+def test_tpu_without_a_tpu_is_one_clear_line():
+    with pytest.raises(BackendError) as err:
+        get_backend("tpu")
+    assert "no TPU" in _one_line(err)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
+def test_cuda_without_a_gpu_is_one_clear_line():
+    with pytest.raises(BackendError) as err:
+        get_backend("cuda")
+    assert "no CUDA GPU" in _one_line(err)
+
+
+def test_environment_variable_overrides_detection(monkeypatch):
+    monkeypatch.setenv("HELPERS_BACKEND", "cpu")
+    assert get_backend().name == "cpu"
+    monkeypatch.setenv("HELPERS_BACKEND", "nonsense")
+    with pytest.raises(BackendError):
+        get_backend()
+    assert get_backend("cpu").name == "cpu"  # an argument wins over the variable
+
+
+def test_defer_and_fuse_on_cpu_names_the_backends_that_have_it():
+    cpu = get_backend("cpu")
+    assert cpu.modes == ("eager", "compile")
+    with pytest.raises(BackendError) as err:
+        cpu.in_mode(helpers.op_stack, "defer_and_fuse")
+    text = _one_line(err)
+    assert "tpu" in text and "xla" in text
+    with pytest.raises(BackendError) as err:
+        cpu.in_mode(helpers.op_stack, "warp_speed")
+    assert all(mode in _one_line(err) for mode in MODES)
+
+
+def test_compile_counter_counts_new_shapes_only(backend):
+    torch._dynamo.reset()
+    fn = backend.compile(helpers.op_stack)
+    counts = []
+    for size in (8, 8, 16, 8, 12):
+        x = torch.ones(size, size).to(backend.device)
+        with backend.compile_counter() as count:
+            out = fn(x)
+        del out
+        counts.append(count.graphs)
+    assert counts == [1, 0, 1, 0, 1]
+
+
+def test_every_mode_computes_the_same_numbers(backend):
+    x = torch.randn(32, 32)
+    expected = helpers.op_stack(x)
+    for mode in backend.modes:
+        out = backend.in_mode(helpers.op_stack, mode)(x.to(backend.device)).cpu()
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_import_is_light_and_never_loads_tpu_or_xla_stacks():
+    code = (
+        "import sys, time; t = time.perf_counter(); import helpers; dt = time.perf_counter() - t\n"
+        "assert 'torch' not in sys.modules, 'import helpers imported torch'\n"
+        "b = helpers.get_backend()\n"
+        "loaded = [m for m in ('torch_tpu', 'torch_xla') if m in sys.modules]\n"
+        "print(dt, b.name, loaded)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("HELPERS_BACKEND", "PJRT_DEVICE")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    seconds, name, loaded = out.stdout.split(maxsplit=2)
+    assert float(seconds) < 2.0
+    assert name in ("cpu", "cuda") and loaded.strip() == "[]"
+
+
+def test_sync_and_memory_do_not_fail(backend):
+    backend.sync()
+    memory = backend.memory()
+    assert memory is None or memory["peak"] >= memory["in_use"] >= 0
+    assert backend.name in backend.describe()
+
+
+@needs_xla
+def test_xla_counts_one_program_per_op_in_eager_and_one_per_call_fused():
+    xla = get_backend("xla")
+    x = torch.randn(20, 20).to(xla.device)  # a shape no other test uses: XLA's program cache is per process
+    xla.flush()
+    executions = {}
+    for mode in xla.modes:
+        fn = xla.in_mode(helpers.op_stack, mode)
+        for _ in range(2):  # warm: compile outside the count
+            out = fn(x)
+        with xla.compile_counter() as count:
+            out = fn(x)
+        del out
+        executions[mode] = count.executions
+    assert executions == {"eager": 30, "defer_and_fuse": 1, "compile": 1}
+
+
+@needs_xla
+def test_xla_lazy_mode_compiles_per_new_shape():
+    rows = helpers.shape_demo(get_backend("xla"), "defer_and_fuse", sizes=(24, 24, 40))
+    assert [r["new_compilations"] for r in rows] == [1, 0, 1]

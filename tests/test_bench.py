@@ -1,0 +1,51 @@
+import pytest
+
+import helpers
+from helpers.bench import Results, Timing, table, time_fn
+
+
+def test_time_fn_warms_up_syncs_every_call_and_keeps_the_median():
+    calls, syncs = [], []
+    timing = time_fn(lambda v: calls.append(v) or v, 7, sync=lambda: syncs.append(1), warmup=3, repeats=5)
+    assert calls == [7] * 8 and len(syncs) == 8
+    assert len(timing.times) == 5 and timing.min <= timing.median <= timing.max
+
+
+def test_time_fn_rejects_no_repeats():
+    with pytest.raises(ValueError, match="repeats"):
+        time_fn(lambda: None, sync=lambda: None, repeats=0)
+
+
+def test_timing_median():
+    assert Timing([3.0, 1.0, 2.0]).median == 2.0
+
+
+def test_results_replace_a_rerun_row_and_keep_the_others(tmp_path):
+    results = Results(tmp_path)
+    results.add("01 modes", "eager", ms=2.0)
+    results.add("03 baseline", "generate", tok_s=5.0)
+    results.add("01 modes", "eager", ms=1.0)
+    rows = Results(tmp_path).rows()  # read back from the file
+    assert [(r["step"], r["label"]) for r in rows] == [("01 modes", "eager"), ("03 baseline", "generate")]
+    assert rows[0]["ms"] == 1.0
+    text = results.table()
+    assert "tok_s" in text and "1" in text.splitlines()[2]
+
+
+def test_chart_is_written_to_the_run_folder(tmp_path):
+    results = Results(tmp_path)
+    results.add("01 modes", "eager", speedup_vs_eager=1.0)
+    results.add("01 modes", "compile", speedup_vs_eager=3.0, source_speedup=98)
+    fig = results.chart("speedup_vs_eager", "t", source="source_speedup", step="01 modes")
+    assert (tmp_path / "speedup_vs_eager_01.png").stat().st_size > 0
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["this run", "source (TPU v5e-1)"]
+
+
+def test_table_of_dicts():
+    text = table([{"a": 1, "b": 2.5}, {"a": 10}])
+    assert text.splitlines()[0].split() == ["a", "b"] and text.splitlines()[3].split() == ["10", "-"]
+
+
+def test_run_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("HELPERS_RUN_DIR", str(tmp_path / "x"))
+    assert helpers.run_dir() == tmp_path / "x" and (tmp_path / "x").is_dir()
