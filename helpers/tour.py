@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
         tqdm.write(f"== {name}")
         step(backend, results)
     print(results.table())
-    results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP)
+    results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP, log=True)
     print(f"results and charts in {results.path.parent}/")
 
 

@@ -79,7 +79,7 @@ if executions["eager"] is not None:  # tpu and xla count device programs
 
 # %%
 fig = results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup",
-                    step=helpers.modes.STEP)
+                    step=helpers.modes.STEP, log=True)
 
 # %% [markdown]
 # **What you should see:** on a TPU, compile far ahead of eager (the source's grey bar is
