@@ -36,10 +36,12 @@ _EXPORTS = {
     "time_fn": "bench",
     "Results": "bench",
     "run_dir": "bench",
+    "choose_checkpoint": "checkpoint",
+    "build_tiny_twin": "twin",
 }
 
 
-_MODULES = {"backend", "bench", "modes", "setup", "tour"}
+_MODULES = {"backend", "bench", "checkpoint", "modes", "setup", "tour", "twin"}
 
 
 def __getattr__(name):

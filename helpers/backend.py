@@ -149,7 +149,10 @@ class Backend:
         if self.name == "cuda":
             return torch.cuda.get_device_properties(self.device).total_memory
         if self.name == "tpu":
-            return 16 * 2**30  # HBM of one v5e chip; TorchTPU 0.2.0 has no query for it
+            try:  # TorchTPU's own table of HBM per chip kind
+                return torch.tpu.get_device_properties(self.device).total_memory
+            except (AttributeError, RuntimeError):
+                return 16 * 2**30  # one v5e chip, the course's target
         if self.name == "xla":
             return (self._xla_memory_info() or {}).get("bytes_limit")
         return None
@@ -221,8 +224,11 @@ class Backend:
 
             return (count("CompileTime") + count("EagerOpCompileTime"), count("ExecuteTime") + count("EagerOpExecuteTime"))
         if self.name == "tpu":
-            stats = torch.tpu._get_cache_stats()  # private, but the only counter TorchTPU 0.2.0 has
-            return stats["num_compilations"], stats["num_cache_reqs"]
+            # private, but TorchTPU's only counter for eager/fused programs; a dict or an object
+            # depending on the version: every cache miss is one compilation.
+            stats = torch.tpu._get_cache_stats()
+            get = stats.get if isinstance(stats, dict) else lambda key: getattr(stats, key)
+            return get("num_cache_reqs") - get("num_cache_hits"), get("num_cache_reqs")
         return None, None
 
     @contextlib.contextmanager

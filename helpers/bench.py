@@ -142,3 +142,35 @@ def _fmt(value) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def fmt_bytes(n: int | None) -> str:
+    """Bytes for a reader: 1,321,205,760 B -> '1.32 GB' (decimal units, as the source uses)."""
+    if n is None:
+        return "-"
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "GB", scale: float = 1e9,
+                 path: str | os.PathLike | None = None):
+    """One stacked bar per label, one segment per component: where the bytes go."""
+    import matplotlib.pyplot as plt
+
+    components = list(dict.fromkeys(c for parts in bars.values() for c in parts))
+    fig, ax = plt.subplots(figsize=(max(4, 1.8 * len(bars)), 3.5))
+    bottoms = [0.0] * len(bars)
+    for component in components:
+        heights = [parts.get(component, 0) / scale for parts in bars.values()]
+        ax.bar(list(bars), heights, bottom=bottoms, label=component)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=100)
+    return fig

@@ -12,11 +12,11 @@ import argparse
 
 from tqdm.auto import tqdm
 
-from . import modes
+from . import checkpoint, modes
 from .backend import get_backend
 from .bench import Results, run_dir
 
-STEPS = [("01 execution modes", modes.run_step)]
+STEPS = [("01 execution modes", modes.run_step), ("02 loading", checkpoint.run_step)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,8 +31,10 @@ def main(argv: list[str] | None = None) -> None:
     for name, step in tqdm(STEPS, desc="tour", unit="step"):
         tqdm.write(f"== {name}")
         step(backend, results)
-    print(results.table())
+    print(results.table(["step", "label", "backend", "ms", "speedup_vs_eager", "source_speedup", "load_s",
+                         "device_bytes", "same_tokens"]))
     results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP, log=True)
+    results.chart("device_bytes", "model bytes on the device after a forward", step=checkpoint.STEP)
     print(f"results and charts in {results.path.parent}/")
 
 

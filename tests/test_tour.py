@@ -5,7 +5,9 @@ from helpers.bench import Results
 def test_tour_runs_every_step_prints_the_table_and_writes_the_chart(tmp_path, capsys):
     tour.main(["--backend", "cpu", "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "01 modes" in out and "compile" in out
-    labels = [r["label"] for r in Results(tmp_path).rows()]
-    assert labels == ["eager", "compile"]
-    assert (tmp_path / "speedup_vs_eager_01.png").exists()
+    assert "01 modes" in out and "02 loading" in out and "tiny offline twin" in out
+    rows = Results(tmp_path).rows()
+    assert [(r["step"], r["label"]) for r in rows] == [("01 modes", "eager"), ("01 modes", "compile"),
+                                                       ("02 loading", "compressed (default)"), ("02 loading", "dequantize=True")]
+    assert all(r["same_tokens"] for r in rows[2:])
+    assert (tmp_path / "speedup_vs_eager_01.png").exists() and (tmp_path / "device_bytes_02.png").exists()

@@ -1,0 +1,455 @@
+"""Gemma 4 E2B checkpoints: pick one, load its text decoder onto a device, see where the bytes go.
+
+The real one is Google's `google/gemma-4-E2B-it-qat-w4a16-ct` (gated); without a TPU or
+without access, the tiny twin (`helpers.twin`) takes its place through the same code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import re
+import time
+import warnings
+
+import torch
+
+from .backend import Backend
+from .bench import fmt_bytes
+from .twin import GROUP_SIZE, build_tiny_twin
+
+REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
+MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, or "tiny"
+REVISION_VAR = "HELPERS_REVISION"
+E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
+# The multimodal checkpoint keeps the text decoder under model.language_model.*; the text
+# model (Gemma4ForCausalLM) calls it model.*. lm_head is top-level in both.
+KEY_MAPPING = {r"^model\.language_model\.": "model."}
+_CHECKPOINT_PREFIX, _TEXT_PREFIX = "model.language_model.", "model."
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message says what to do."""
+
+
+def text_key(checkpoint_key: str) -> str | None:
+    """The text model's name for a checkpoint tensor (None for audio/vision tensors)."""
+    if checkpoint_key.startswith(_CHECKPOINT_PREFIX):
+        return _TEXT_PREFIX + checkpoint_key[len(_CHECKPOINT_PREFIX):]
+    return checkpoint_key if checkpoint_key.startswith("lm_head.") else None
+
+
+def checkpoint_key(text_model_key: str) -> str:
+    """The checkpoint's name for a text-model tensor (the inverse of ``text_key``)."""
+    if text_model_key.startswith(_TEXT_PREFIX):
+        return _CHECKPOINT_PREFIX + text_model_key[len(_TEXT_PREFIX):]
+    return text_model_key
+
+
+def name_map(checkpoint: "Checkpoint") -> list[dict]:
+    """How the checkpoint's tensor names land in the text model, grouped (names only, no data)."""
+    from safetensors import safe_open
+
+    groups: dict[tuple[str, str], int] = {}
+    for path in sorted(_local_folder(checkpoint).glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                name = text_key(key)
+                if name is None:
+                    group = (".".join(key.split(".")[:2]) + ".*", "not read (audio/vision)")
+                elif name == "lm_head.weight":
+                    group = (key, "tied to model.embed_tokens.weight: the copy is redundant")
+                else:
+                    group = (_CHECKPOINT_PREFIX + "*", _TEXT_PREFIX + "*")
+                groups[group] = groups.get(group, 0) + 1
+    return [{"checkpoint": c, "text model": t, "tensors": n} for (c, t), n in groups.items()]
+
+
+# --- which checkpoint ----------------------------------------------------------------------
+@dataclasses.dataclass
+class Checkpoint:
+    """Where the weights come from, and why: printed first, so a reader knows what ran."""
+
+    source: str  # a repo id or a local folder
+    revision: str | None
+    tiny: bool
+    reason: str
+
+    def __str__(self) -> str:
+        rev = f" @ {self.revision}" if self.revision else ""
+        kind = "tiny offline twin" if self.tiny else "real checkpoint"
+        return f"{kind}: {self.source}{rev} ({self.reason})"
+
+
+def hf_token() -> str | None:
+    """The Hugging Face token: $HF_TOKEN, else Colab's secret HF_TOKEN."""
+    token = os.environ.get("HF_TOKEN")
+    if token:
+        return token
+    try:
+        from google.colab import userdata  # only in Colab
+        return userdata.get("HF_TOKEN")
+    except Exception:  # not in Colab, or the secret is absent or not granted to this notebook
+        return None
+
+
+def choose_checkpoint(backend: Backend) -> Checkpoint:
+    """The real checkpoint on a TPU with a token, else the tiny twin; ``$HELPERS_MODEL`` decides
+    if set (a repo id, a local folder, or ``tiny``)."""
+    asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
+    if asked == "tiny":
+        return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
+    if asked:
+        return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
+    if backend.name != "tpu":
+        return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU here (backend {backend.name})")
+    if hf_token() is None:
+        return Checkpoint(str(build_tiny_twin()), None, True, "no Hugging Face token (HF_TOKEN)")
+    return Checkpoint(REPO_ID, revision, False, "TPU and a Hugging Face token")
+
+
+def _local_folder(checkpoint: Checkpoint) -> pathlib.Path:
+    """A local folder holding the checkpoint: downloaded only after access was checked."""
+    folder = pathlib.Path(checkpoint.source)
+    if folder.is_dir():
+        return folder
+    from huggingface_hub import auth_check, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+
+    token = hf_token()
+    if token is None:
+        raise CheckpointError(f"{checkpoint.source} is gated and no Hugging Face token was found: set HF_TOKEN "
+                              "(in Colab: the key icon > add secret HF_TOKEN, notebook access on).")
+    try:
+        auth_check(checkpoint.source, token=token)
+    except GatedRepoError:
+        raise CheckpointError(f"the token has no access to {checkpoint.source}: accept the Gemma licence at "
+                              f"https://huggingface.co/{checkpoint.source} with the token's account.") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{checkpoint.source}: no such repository, or the token cannot see it.") from None
+    return pathlib.Path(snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token,
+                                          allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+
+
+def read_config(folder: str | os.PathLike):
+    """The checkpoint's config, refused in one line unless it is a Gemma 4 checkpoint."""
+    from transformers import AutoConfig
+
+    path = pathlib.Path(folder) / "config.json"
+    if not path.exists():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face checkpoint folder.")
+    model_type = json.loads(path.read_text()).get("model_type")
+    if model_type not in ("gemma4", "gemma4_text"):
+        raise CheckpointError(f"{folder} holds a {model_type!r} model, not Gemma 4 (model_type 'gemma4').")
+    return AutoConfig.from_pretrained(folder)
+
+
+def text_config(config):
+    """The text decoder's config, carrying the checkpoint's quantization config along."""
+    text = getattr(config, "text_config", config)
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None:
+        text.quantization_config = quantization
+    return text
+
+
+# --- E2B-scale figures on the meta device ----------------------------------------------------
+def e2b_config():
+    from transformers import Gemma4TextConfig
+
+    facts = {k: v for k, v in json.loads(E2B_CONFIG.read_text()).items() if not k.startswith("_")}
+    facts.pop("model_type")
+    return Gemma4TextConfig(**facts)
+
+
+def meta_model(config):
+    """The text model built on the meta device: every shape, no weights, no memory."""
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        return Gemma4ForCausalLM(config)
+
+
+def int4_bytes(numel: int, rows_dim: int, group_size: int = GROUP_SIZE, scale_bytes: int = 2) -> int:
+    """Bytes of a [rows, cols] tensor stored packed in int4 with one bf16 scale per group."""
+    return numel // 2 + numel // group_size * scale_bytes
+
+
+def component_bytes(model) -> list[dict]:
+    """Bytes per component of a (meta) text model, in bf16 and in int4 group-32 with bf16 scales:
+    the two embedding tables, all linears of the decoder, and the lm_head copy a checkpoint may store."""
+    inner = model.model
+    linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
+    rows = [
+        ("embed_tokens", [inner.embed_tokens.weight]),
+        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight]),
+        (f"linears ({len(linears)})", [m.weight for m in linears]),
+        ("lm_head copy", [model.lm_head.weight]),
+    ]
+    out = []
+    for name, tensors in rows:
+        numel = sum(t.numel() for t in tensors)
+        out.append({"component": name, "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
+                    "bf16_bytes": numel * 2, "int4_bytes": sum(int4_bytes(t.numel(), 0) for t in tensors)})
+    return out
+
+
+# --- preflight: refuse before loading what cannot fit ----------------------------------------
+def estimate_device_bytes(config, dequantize: bool) -> int:
+    """Device bytes the text decoder will hold once it has run a forward: compressed-tensors
+    expands every packed weight to bf16 either at load (dequantize) or on the first forward,
+    keeping the scales too unless dequantized; embeddings are tied, so stored once."""
+    model = meta_model(config)
+    bf16 = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts tied weights once
+    if dequantize:
+        return bf16
+    linears = [m.weight.numel() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return bf16 + sum(n // GROUP_SIZE * 2 for n in linears)
+
+
+def available_bytes(backend: Backend) -> int | None:
+    """Free device memory where the backend says it; host RAM on cpu."""
+    total = backend.memory_total()
+    if total is not None:
+        memory = backend.memory() or {"in_use": 0}
+        return total - memory["in_use"]
+    if backend.name == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
+def preflight(config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None) -> str:
+    """Refuse, with needed vs available bytes and what to change, a load that will not fit.
+
+    ``available`` and ``where`` describe another device than this backend's (a what-if)."""
+    needed = estimate_device_bytes(config, dequantize)
+    available = available_bytes(backend) if available is None else available
+    where = where or backend.name
+    if available is None:
+        return f"preflight: needs ~{fmt_bytes(needed)}; {where} does not report its free memory"
+    if needed > available:
+        raise CheckpointError(
+            f"will not fit: needs ~{fmt_bytes(needed)} on {where}, {fmt_bytes(available)} free; "
+            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device.")
+    return f"preflight: needs ~{fmt_bytes(needed)} of {fmt_bytes(available)} free on {where}: fits"
+
+
+# --- loading ---------------------------------------------------------------------------------
+def _device_map(backend: Backend):
+    # set explicitly: transformers places nothing on a TPU by itself. accelerate cannot
+    # place onto PyTorch/XLA devices, so that backend loads on the host and moves.
+    return {"": "cpu"} if backend.name == "xla" else {"": str(backend.device)}
+
+
+def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False):
+    """The text decoder of ``checkpoint`` on the device, and the seconds it took.
+
+    ``dequantize=False`` is compressed-tensors' default path: packed int4 weights, module
+    forwards wrapped, and everything expanded to ``dtype`` on the first forward.
+    ``dequantize=True`` expands at load into plain dense modules. Audio and vision towers
+    are never built: only the text decoder's tensors are read.
+    """
+    from transformers import CompressedTensorsConfig, Gemma4ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    start = time.perf_counter()
+    folder = _local_folder(checkpoint)
+    config = text_config(read_config(folder))
+    print(preflight(config, backend, dequantize))
+    quantization = CompressedTensorsConfig(dequantize=dequantize) if getattr(config, "quantization_config", None) else None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report lists every tower tensor; we check them below instead
+    try:
+        with warnings.catch_warnings():
+            # "the model already has a quantization_config": yes, and ours only sets `dequantize`
+            warnings.filterwarnings("ignore", message="You passed `quantization_config`")
+            model, info = Gemma4ForCausalLM.from_pretrained(
+                folder, config=config, key_mapping=KEY_MAPPING, dtype=dtype, device_map=_device_map(backend),
+                quantization_config=quantization, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    _check_loading_info(info)
+    if backend.name == "xla":
+        model.to(backend.device)
+        model.tie_weights()  # moving onto an XLA device makes new tensors: tie them again
+    model.eval()
+    if model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise CheckpointError("lm_head is no longer tied to embed_tokens after placement on the device.")
+    backend.sync()
+    return model, time.perf_counter() - start
+
+
+def _check_loading_info(info: dict) -> None:
+    """Every text tensor was read, and nothing but audio/vision tensors (and the redundant
+    lm_head copy, tied to embed_tokens) was left out."""
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise CheckpointError(f"checkpoint lacks or mismatches text tensors: "
+                              f"{sorted(info['missing_keys'] | set(info['mismatched_keys']))[:5]}")
+    stray = [k for k in info["unexpected_keys"] if not re.search(r"(audio|vision)", k)]
+    if stray:
+        raise CheckpointError(f"checkpoint has text tensors the model does not know: {sorted(stray)[:5]}")
+
+
+def load_tokenizer(checkpoint: Checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_local_folder(checkpoint))
+
+
+def encode(tokenizer, text: str, device) -> torch.Tensor:
+    """Token ids of ``text`` with BOS in front: Gemma's tokenizer does not add it, and
+    without BOS the model echoes the prompt."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] == 0 or ids[0, 0] != tokenizer.bos_token_id:
+        ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
+    return ids.to(device)
+
+
+PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
+
+
+def chat_ids(tokenizer, device, prompt: str = PROMPT) -> torch.Tensor:
+    """The prompt as a user turn through the tokenizer's own chat template, BOS in front."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return encode(tokenizer, text, device)
+
+
+def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
+    """A plain text model on the host whose weights are the checkpoint's, dequantized here with
+    compressed-tensors' own unpack (codes x scales), independent of the loading path above."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file
+    from transformers import Gemma4ForCausalLM
+
+    folder = _local_folder(checkpoint)
+    config = text_config(read_config(folder))
+    config.quantization_config = None
+    tensors = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(path))
+    state = {}
+    for key, tensor in tensors.items():
+        name = text_key(key)
+        if name is None or name == "lm_head.weight" or re.search(r"\.weight_(scale|shape|zero_point)$", name):
+            continue  # lm_head is tied to embed_tokens; quantization parameters are used below
+        if name.endswith(".weight_packed"):
+            stem = key[: -len("packed")]
+            shape = torch.Size(tensors[stem + "shape"].tolist())
+            codes = unpack_from_int32(tensor, 4, shape).float()
+            scale = tensors[stem + "scale"].float()
+            tensor = (codes.reshape(shape[0], -1, GROUP_SIZE) * scale[..., None]).reshape(shape)
+            name = name[: -len("_packed")]
+        state[name] = tensor.to(dtype)
+    return Gemma4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
+
+
+# --- where the bytes are, and what compressed-tensors attached --------------------------------
+def tensor_kind(name: str, tensor: torch.Tensor) -> str:
+    if name.endswith("weight_packed"):
+        return "packed int4"
+    if name.endswith("weight_scale"):
+        return "int4 scales"
+    if name.endswith("weight_shape"):
+        return "int4 shapes"
+    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(tensor.dtype, str(tensor.dtype))
+
+
+def memory_report(model) -> list[dict]:
+    """Bytes held by the model, by kind (packed int4, int4 scales, bf16, fp32, ..., buffers)
+    and by device; a tensor shared by two names (tied weights) is counted once."""
+    seen, rows = set(), {}
+    named = [(n, t, False) for n, t in model.named_parameters(remove_duplicate=False)]
+    named += [(n, t, True) for n, t in model.named_buffers(remove_duplicate=False)]
+    for name, tensor, is_buffer in named:
+        if id(tensor) in seen:  # identity, as parameters() dedups: XLA tensors have no data_ptr
+            continue
+        seen.add(id(tensor))
+        kind = "buffers" if is_buffer else tensor_kind(name, tensor)
+        row = rows.setdefault((kind, str(tensor.device)), {"kind": kind, "device": str(tensor.device), "tensors": 0, "bytes": 0})
+        row["tensors"] += 1
+        row["bytes"] += tensor.numel() * tensor.element_size()
+    return sorted(rows.values(), key=lambda r: -r["bytes"])
+
+
+def compression_report(model) -> list[dict]:
+    """What compressed-tensors attached: wrapped module forwards, hooks, quantization status."""
+    wrapped = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    status = {}
+    for name, module in model.named_modules():
+        if getattr(module, "quantization_status", None) is not None:
+            status.setdefault(str(module.quantization_status.value), []).append(name)
+    hooks = [n or "(model)" for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
+    rows = [{"what": "modules with a wrapped forward", "count": len(wrapped), "example": (wrapped or ["-"])[0]},
+            {"what": "modules with forward hooks", "count": len(hooks), "example": (hooks or ["-"])[0]}]
+    rows += [{"what": f"quantization status '{s}'", "count": len(names), "example": names[0]} for s, names in status.items()]
+    return rows
+
+
+# --- the step's row in the results table -------------------------------------------------------
+STEP = "02 loading"
+
+
+def record(results, backend: Backend, label: str, model, load_s: float, **extra) -> dict:
+    """The model's bytes by kind, as one row of the results table."""
+    report = memory_report(model)
+    kinds = {}
+    for row in report:
+        kinds[row["kind"]] = kinds.get(row["kind"], 0) + row["bytes"]
+    return results.add(STEP, label, backend=backend.name, load_s=load_s,
+                       device_bytes=sum(kinds.values()), bytes_by_kind=kinds, **extra)
+
+
+def check_length(backend: Backend) -> int:
+    """How many tokens the token checks generate: few on xla, where HF ``generate`` compiles a
+    new graph at every step (notebook 03)."""
+    return 3 if backend.name == "xla" else 8
+
+
+def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """The ``new_tokens`` greedy tokens HF ``generate`` gives after ``ids``."""
+    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+
+
+def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """The reference model's greedy tokens, computed on the same device as the loads they
+    check (bf16 rounding differs between devices), one model on the device at a time."""
+    reference = reference_model(checkpoint).to(backend.device)
+    tokens = greedy_tokens(reference, ids, new_tokens)
+    del reference
+    return tokens
+
+
+def unpack_is_exact(device) -> bool:
+    """Whether compressed-tensors' own unpack returns the packed int4 codes on ``device``.
+
+    The default load path unpacks on the device at the first forward; on PyTorch/XLA 2.9
+    with compressed-tensors 0.15 this returns wrong codes (measured: about half of them).
+    """
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 4)
+    unpacked = unpack_from_int32(pack_to_int32(codes, 4).to(device), 4, codes.shape)
+    return torch.equal(unpacked.cpu(), codes)
+
+
+def run_step(backend: Backend, results) -> list[dict]:
+    """The tour's loading step: both load paths, bytes by kind after a first forward, and
+    whether each gives the dequantized reference model's greedy tokens (the dequantized
+    path must; the default path must wherever unpacking on the device is exact)."""
+    checkpoint = choose_checkpoint(backend)
+    print(checkpoint)
+    ids, new_tokens = chat_ids(load_tokenizer(checkpoint), backend.device), check_length(backend)
+    expected = check_tokens(backend, checkpoint, ids, new_tokens)
+    exact_unpack = unpack_is_exact(backend.device)
+    rows = []
+    for label, dequantize in (("compressed (default)", False), ("dequantize=True", True)):
+        model, load_s = load(checkpoint, backend, dequantize=dequantize)
+        same = greedy_tokens(model, ids, new_tokens) == expected
+        if same != (dequantize or exact_unpack):
+            raise AssertionError(f"{label}: same tokens as the dequantized reference: {same}")
+        rows.append(record(results, backend, label, model, load_s, same_tokens=same))
+        del model
+    return rows

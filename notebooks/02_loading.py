@@ -1,0 +1,190 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Loading the 4-bit checkpoint, and where the memory goes
+#
+# Google ships Gemma 4 E2B as a 4-bit QAT checkpoint in compressed-tensors format
+# (`google/gemma-4-E2B-it-qat-w4a16-ct`): its linears are packed int4, eight values per
+# int32, one bf16 scale per group of 32. This notebook loads its text decoder onto the
+# device with transformers + compressed-tensors and looks at what actually lands there.
+#
+# Without a TPU, or without access to the gated weights, it runs the same code on a tiny
+# offline twin: the same model class, the same file layout and tensor names, the same
+# packing, built here in a second. The first output says which one you got.
+
+# %% [markdown]
+# ## Set up
+# In Colab this fetches the course's `helpers` and installs only what is missing (TorchTPU
+# on a TPU runtime). For the real weights, add your Hugging Face token as the Colab secret
+# `HF_TOKEN` (or set the environment variable) after accepting the Gemma licence.
+
+# %%
+import importlib.util, os, subprocess, sys
+if importlib.util.find_spec("helpers") is None:  # Colab: fetch the course, then its helpers
+    repo = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")
+    subprocess.run(["git", "clone", "-q", repo, "/content/course"], check=True)
+    sys.path.insert(0, "/content/course")
+import helpers
+helpers.install_missing()
+
+# %%
+backend = helpers.get_backend()
+checkpoint = helpers.choose_checkpoint(backend)  # override: HELPERS_MODEL=<repo id | folder | tiny>
+print(checkpoint)
+print(backend.describe())
+
+# %% [markdown]
+# ## Tensor names: a multimodal checkpoint, a text model
+# **What the source found:** the checkpoint is multimodal. Its text decoder sits under
+# `model.language_model.*` beside audio and vision towers, and the names must be mapped for
+# the text model (`Gemma4ForCausalLM`, which calls them `model.*`) to find its weights.
+#
+# **What we test:** every text tensor is read, nothing else is: the towers are never built,
+# so they never reach the device. The checkpoint also stores a full `lm_head` copy although
+# the model ties `lm_head` to `embed_tokens`.
+
+# %%
+from helpers.bench import fmt_bytes, table
+print(table(helpers.checkpoint.name_map(checkpoint)))
+print("mapping given to from_pretrained(key_mapping=...):", helpers.checkpoint.KEY_MAPPING)
+
+# %% [markdown]
+# ## The E2B figures, computed without weights
+# **What the source measured:** the per-layer embedding table alone is 4.7 GB in bf16;
+# kept in 4-bit it would be 1.32 GB, the "about 3.4 GB" saved in notebook 05.
+#
+# We build the real E2B text configuration on PyTorch's meta device (shapes, no memory) and
+# count bytes per component in bf16 and in int4 with bf16 scales.
+
+# %%
+e2b = helpers.checkpoint.e2b_config()
+components = helpers.checkpoint.component_bytes(helpers.checkpoint.meta_model(e2b))
+print(table([{**r, "bf16": fmt_bytes(r["bf16_bytes"]), "int4": fmt_bytes(r["int4_bytes"])} for r in components]))
+by_name = {r["component"]: r for r in components}
+assert by_name["embed_tokens_per_layer"]["bf16_bytes"] == 4_697_620_480
+assert by_name["embed_tokens_per_layer"]["int4_bytes"] == 1_321_205_760
+assert by_name["embed_tokens"]["bf16_bytes"] == 805_306_368 and by_name["embed_tokens"]["int4_bytes"] == 226_492_416
+assert "linears (276)" in by_name  # the checkpoint's 276 packed linears
+
+# %% [markdown]
+# ## Preflight: refuse what will not fit
+# A Colab kernel that dies of out-of-memory loses everything. Before loading, we estimate
+# the device bytes (everything ends up bf16 on the device, see below) and refuse with the
+# numbers if they exceed what is free. Here for E2B on an empty v5e-1, then on a device
+# with only 8 GB free (both hypothetical: computed, not measured):
+
+# %%
+v5e_hbm = 16 * 2**30
+print(helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=v5e_hbm, where="an empty v5e-1"))
+try:
+    helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
+except helpers.checkpoint.CheckpointError as err:
+    print(err)
+
+# %% [markdown]
+# ## Path 1: compressed-tensors' default
+# **What we test:** right after loading, the linears hold packed int4 (`weight_packed`,
+# int32) with their scales, and compressed-tensors has wrapped every quantized module's
+# forward and hooked the model. `device_map` is set explicitly (`"tpu"` on TorchTPU).
+
+# %%
+device_before = backend.memory()
+model, load_s = helpers.checkpoint.load(checkpoint, backend)
+print(f"loaded in {load_s:.2f} s onto {backend.device}; lm_head tied to embed_tokens:",
+      model.lm_head.weight is model.model.embed_tokens.weight)
+after_load = helpers.checkpoint.memory_report(model)
+print(table(after_load))
+print(table(helpers.checkpoint.compression_report(model)))
+assert any(r["kind"] == "packed int4" for r in after_load)
+
+# %% [markdown]
+# **The first forward expands everything to bf16.** The decompression hook fires once,
+# unpacks every linear on the device and keeps the bf16 weight: the 4-bit memory win is gone.
+# The hook is gone after it, but compressed-tensors' offloading layer now wraps the forward
+# of every module, quantized or not (the count below).
+
+# %%
+import torch
+tokenizer = helpers.checkpoint.load_tokenizer(checkpoint)
+ids = helpers.checkpoint.chat_ids(tokenizer, backend.device)  # the series' chat prompt, BOS in front
+new_tokens = helpers.checkpoint.check_length(backend)  # 8; 3 on xla, where generate compiles every step
+with torch.no_grad():
+    model(ids)
+backend.sync()
+after_forward = helpers.checkpoint.memory_report(model)
+print(table(after_forward))
+print(table(helpers.checkpoint.compression_report(model)))
+if device_before is not None:
+    print("device memory in use, from the backend's counters:", fmt_bytes(device_before["in_use"]), "->",
+          fmt_bytes(backend.memory()["in_use"]))
+bf16 = lambda report: sum(r["bytes"] for r in report if r["kind"] == "bf16")
+assert not any(r["kind"] == "packed int4" for r in after_forward) and bf16(after_forward) > bf16(after_load)
+results = helpers.Results()
+helpers.checkpoint.record(results, backend, "compressed (default)", model, load_s)
+default_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
+del model  # one model on the device at a time
+
+# %% [markdown]
+# ## Path 2: `CompressedTensorsConfig(dequantize=True)`
+# **What we test:** the weights are expanded once, at load, into plain dense modules: no
+# wrapped forwards, no hooks. Same bytes on the device, nothing left to surprise you later.
+
+# %%
+model, load_s = helpers.checkpoint.load(checkpoint, backend, dequantize=True)
+dense = helpers.checkpoint.memory_report(model)
+print(f"loaded in {load_s:.2f} s")
+print(table(dense))
+report = {r["what"]: r["count"] for r in helpers.checkpoint.compression_report(model)}
+print(report)
+assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0
+helpers.checkpoint.record(results, backend, "dequantize=True", model, load_s)
+dense_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
+del model
+
+# %%
+by_kind = lambda report: {k: sum(r["bytes"] for r in report if r["kind"] == k) for k in dict.fromkeys(r["kind"] for r in report)}
+fig = helpers.bench.stacked_bars({"default,\nafter load": by_kind(after_load), "default,\nafter 1st forward": by_kind(after_forward),
+                                  "dequantize=True": by_kind(dense)},
+                                 f"{'tiny twin' if checkpoint.tiny else 'E2B'}: model bytes on {backend.device}",
+                                 ylabel="MB" if checkpoint.tiny else "GB", scale=1e6 if checkpoint.tiny else 1e9)
+
+# %% [markdown]
+# ## Same tokens as the weights themselves
+# **What we test:** greedy tokens from each load path (computed above, right after each
+# load) equal those of a reference model whose weights we dequantize ourselves from the
+# file (codes x scales, with compressed-tensors' own unpack on the host), run on the same
+# device: bf16 rounding differs between devices.
+#
+# A trap we measured on PyTorch/XLA 2.9 (compressed-tensors 0.15): the default path unpacks
+# on the device at the first forward, and there the unpack returns wrong int4 codes, so that
+# path's tokens differ. `dequantize=True` unpacks on the host and is right everywhere.
+
+# %%
+expected = helpers.checkpoint.check_tokens(backend, checkpoint, ids, new_tokens)
+dense_same, default_same = dense_tokens == expected, default_tokens == expected
+exact_unpack = helpers.checkpoint.unpack_is_exact(backend.device)
+print("reference tokens:", expected)
+print("same tokens, dequantize=True:", dense_same)
+print("same tokens, default path:", default_same, "| unpack exact on this device:", exact_unpack)
+assert dense_same and default_same == exact_unpack
+
+# %% [markdown]
+# **What you should see:** `dequantize=True` gives the reference tokens on every backend;
+# the default path does too wherever unpacking on the device is exact. On the device both
+# paths hold bf16 weights once the model has run: notebook 05 wins the memory back for the
+# largest table, and notebook 04 shows why the default path's wrappers stop `torch.compile`.
+
+# %%
+print(results.table(["step", "label", "backend", "load_s", "device_bytes"]))

@@ -1,0 +1,155 @@
+"""Loading the checkpoint: names, E2B figures, preflight, errors, both load paths, tokens."""
+
+import json
+
+import pytest
+import torch
+
+import helpers
+from helpers import checkpoint as ck
+from helpers import twin
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return ck.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
+
+
+def _one_line(err):
+    text = str(err.value)
+    assert "\n" not in text, text
+    return text
+
+
+@pytest.mark.parametrize("ckpt, text", [
+    ("model.language_model.layers.3.mlp.up_proj.weight_packed", "model.layers.3.mlp.up_proj.weight_packed"),
+    ("model.language_model.embed_tokens_per_layer.weight", "model.embed_tokens_per_layer.weight"),
+    ("lm_head.weight", "lm_head.weight"),
+])
+def test_name_mapping_both_ways(ckpt, text):
+    assert ck.text_key(ckpt) == text and ck.checkpoint_key(text) == ckpt
+
+
+def test_towers_map_to_nothing():
+    assert ck.text_key("model.vision_tower.encoder.layers.0.mlp.fc1.weight") is None
+    assert ck.text_key("model.audio_tower.layers.0.norm_out.weight") is None
+
+
+def test_name_map_accounts_for_every_tensor(tiny):
+    rows = {r["checkpoint"]: r for r in ck.name_map(tiny)}
+    assert rows["model.language_model.*"]["text model"] == "model.*"
+    assert "tied" in rows["lm_head.weight"]["text model"]
+    assert rows["model.vision_tower.*"]["text model"].startswith("not read")
+
+
+def test_e2b_bytes_on_the_meta_device_equal_the_reference_figures():
+    rows = {r["component"]: r for r in ck.component_bytes(ck.meta_model(ck.e2b_config()))}
+    assert (rows["embed_tokens"]["bf16_bytes"], rows["embed_tokens"]["int4_bytes"]) == (805_306_368, 226_492_416)
+    assert (rows["embed_tokens_per_layer"]["bf16_bytes"], rows["embed_tokens_per_layer"]["int4_bytes"]) == (4_697_620_480, 1_321_205_760)
+    assert rows["lm_head copy"]["bf16_bytes"] == 805_306_368
+    assert rows["embed_tokens_per_layer"]["shape"] == [262144, 8960]
+
+
+def test_preflight_refuses_with_the_numbers_and_what_to_change():
+    e2b, cpu = ck.e2b_config(), helpers.get_backend("cpu")
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.preflight(e2b, cpu, dequantize=True, available=4 * 10**9, where="v5e-1")
+    text = _one_line(err)
+    assert "9.26 GB" in text and "4.00 GB" in text and "HELPERS_MODEL=tiny" in text
+    assert "fits" in ck.preflight(e2b, cpu, dequantize=True, available=16 * 2**30)
+
+
+def test_missing_token_is_one_clear_line_before_any_download(monkeypatch):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    import huggingface_hub
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.load(ck.Checkpoint(ck.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
+    assert "HF_TOKEN" in _one_line(err)
+
+
+def test_licence_not_accepted_is_one_clear_line(monkeypatch):
+    import huggingface_hub
+    from huggingface_hub.errors import GatedRepoError
+
+    def gated(*args, **kwargs):
+        err = GatedRepoError.__new__(GatedRepoError)  # as the Hub raises it, without an HTTP response
+        Exception.__init__(err, "403: access to model is restricted")
+        raise err
+
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(huggingface_hub, "auth_check", gated)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.load(ck.Checkpoint(ck.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
+    assert "accept the Gemma licence" in _one_line(err)
+
+
+def test_not_a_gemma_checkpoint_is_one_clear_line(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.read_config(tmp_path)
+    assert "'llama'" in _one_line(err) and "Gemma 4" in str(err.value)
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.read_config(tmp_path / "nowhere")
+    assert "config.json" in _one_line(err)
+
+
+def test_choose_checkpoint_without_a_tpu_takes_the_twin_and_says_why(monkeypatch):
+    monkeypatch.delenv("HELPERS_MODEL", raising=False)
+    chosen = ck.choose_checkpoint(helpers.get_backend("cpu"))
+    assert chosen.tiny and "no TPU" in str(chosen)
+    monkeypatch.setenv("HELPERS_MODEL", "some/repo")
+    monkeypatch.setenv("HELPERS_REVISION", "abc123")
+    assert str(ck.choose_checkpoint(helpers.get_backend("cpu"))).startswith("real checkpoint: some/repo @ abc123")
+
+
+def test_default_path_holds_packed_int4_and_wrappers_until_the_first_forward(tiny, backend):
+    model, _ = ck.load(tiny, backend)
+    kinds = {r["kind"] for r in ck.memory_report(model)}
+    assert {"packed int4", "int4 scales", "bf16"} <= kinds
+    report = {r["what"]: r["count"] for r in ck.compression_report(model)}
+    assert report["modules with a wrapped forward"] == 83 and report["modules with forward hooks"] == 1
+    with torch.no_grad():  # no cache: a prompt shorter than the window trips HF's cache on xla (notebook 03)
+        model(torch.tensor([[2, 5, 6]], device=backend.device), use_cache=False)
+    assert "packed int4" not in {r["kind"] for r in ck.memory_report(model)}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_dequantize_path_is_plain_dense_and_tied(tiny, backend):
+    model, _ = ck.load(tiny, backend, dequantize=True)
+    assert {r["kind"] for r in ck.memory_report(model)} == {"bf16", "buffers"}
+    assert all(r["count"] == 0 for r in ck.compression_report(model))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert all(p.device.type == torch.device(backend.device).type for p in model.parameters())
+
+
+def test_memory_report_counts_tied_weights_once(tiny):
+    model, _ = ck.load(tiny, helpers.get_backend("cpu"), dequantize=True)
+    total = sum(r["bytes"] for r in ck.memory_report(model) if r["kind"] == "bf16")
+    assert total == sum(p.numel() * 2 for p in model.parameters())  # parameters() dedups too
+
+
+def test_a_checkpoint_missing_a_text_tensor_is_refused(tiny, tmp_path):
+    import shutil
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny.source, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.language_model.layers.0.mlp.up_proj.weight_packed"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ck.CheckpointError, match="lacks"):
+        ck.load(ck.Checkpoint(str(broken), None, True, "test"), helpers.get_backend("cpu"))
+
+
+def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact(tiny, backend):
+    ids = ck.chat_ids(ck.load_tokenizer(tiny), backend.device)
+    n = 3 if backend.name == "xla" else 8
+    expected = ck.check_tokens(backend, tiny, ids, n)
+    assert len(expected) == n
+    dense, _ = ck.load(tiny, backend, dequantize=True)
+    assert ck.greedy_tokens(dense, ids, n) == expected
+    del dense
+    default, _ = ck.load(tiny, backend)
+    assert (ck.greedy_tokens(default, ids, n) == expected) == ck.unpack_is_exact(backend.device)
