@@ -231,6 +231,10 @@ class Backend:
             return get("num_cache_reqs") - get("num_cache_hits"), get("num_cache_reqs")
         return None, None
 
+    def programs_compiled(self) -> int | None:
+        """Device programs compiled so far in this process (None where not counted)."""
+        return self._device_counts()[0]
+
     @contextlib.contextmanager
     def compile_counter(self):
         """Count what gets compiled inside the block (see ``CompileCount``)."""

@@ -174,3 +174,30 @@ def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "G
     if path:
         fig.savefig(path, dpi=100)
     return fig
+
+
+def step_plot(series: dict[str, list[float]], title: str, counts: dict[str, list[int]] | None = None,
+              path: str | os.PathLike | None = None):
+    """Seconds per step against step index, one line per series (log scale: compile spikes
+    and warm steps differ by orders of magnitude); below it, what each step compiled."""
+    import matplotlib.pyplot as plt
+
+    rows = 2 if counts else 1
+    fig, axes = plt.subplots(rows, 1, figsize=(7, 3 * rows), sharex=True, squeeze=False)
+    for label, seconds in series.items():
+        axes[0, 0].plot(range(len(seconds)), seconds, marker="o", label=label)
+    axes[0, 0].set_yscale("log")
+    axes[0, 0].set_ylabel("seconds per step")
+    axes[0, 0].set_title(title)
+    axes[0, 0].legend(fontsize=8)
+    if counts:
+        width = 0.8 / len(counts)
+        for i, (label, values) in enumerate(counts.items()):
+            axes[1, 0].bar([x + i * width for x in range(len(values))], values, width, label=label)
+        axes[1, 0].set_ylabel("programs compiled")
+        axes[1, 0].legend(fontsize=8)
+    axes[-1, 0].set_xlabel("step (0 = prefill)")
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=100)
+    return fig

@@ -77,10 +77,23 @@ class Checkpoint:
     tiny: bool
     reason: str
 
+    @property
+    def name(self) -> str:
+        """A stable name for the weights: the repo id and revision, or the twin's folder name."""
+        return pathlib.Path(self.source).name if self.tiny else f"{self.source}@{self.revision or 'main'}"
+
     def __str__(self) -> str:
         rev = f" @ {self.revision}" if self.revision else ""
         kind = "tiny offline twin" if self.tiny else "real checkpoint"
         return f"{kind}: {self.source}{rev} ({self.reason})"
+
+
+def series_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """bf16 for the real model; float32 for the tiny twin. A random tiny model has nearly tied
+    logits, and bf16 rounds fused and unfused programs differently (measured on xla: eager and
+    defer-and-fuse gave different greedy tokens from the 4th on), so in bf16 its token identity
+    would test luck, not code. Its 4-bit-grid weights are exact in either dtype."""
+    return torch.float32 if checkpoint.tiny else torch.bfloat16
 
 
 def hf_token() -> str | None:

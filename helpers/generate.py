@@ -1,0 +1,171 @@
+"""The baseline: Hugging Face ``generate`` (greedy), streamed, timed per step, and the
+reference tokens every later notebook must reproduce."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import statistics
+import time
+
+import torch
+from transformers import TextStreamer
+
+from .backend import Backend
+from .bench import run_dir
+
+STEP = "03 baseline"
+SOURCE_TOK_S = 5  # the source's figure, TPU v5e-1: HF generate, ~5 tok/s
+
+
+def generation_length(backend: Backend) -> int:
+    """Tokens generated per run in the series: 32; 8 on xla, where ``generate`` compiles a
+    new graph at every step."""
+    return 8 if backend.name == "xla" else 32
+
+
+def greedy_config(model, new_tokens: int):
+    """Greedy, exactly ``new_tokens`` tokens: no stop at EOS, so every run (and every later
+    step of the series) produces the same count and a token-by-token comparison is possible."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None, eos_token_id=None,
+                  top_k=None, top_p=None, temperature=None, return_dict_in_generate=True)
+    return config
+
+
+class StepStreamer(TextStreamer):
+    """A transformers streamer that notes when each token reaches the host (and, where the
+    backend counts them, the device programs compiled so far), and shows the text as it
+    comes: into an ipywidgets box in a notebook, with live tok/s; nowhere otherwise."""
+
+    def __init__(self, tokenizer, backend: Backend, widget=None):
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.backend, self.widget = backend, widget
+        self.times: list[float] = []
+        self.programs: list[int | None] = []
+        self.text = ""
+
+    def put(self, value):
+        self.backend.flush()  # end the step's deferred group, KV cache included (else lazy XLA grows one graph)
+        value = value.cpu()  # the token is on the host: the step is done
+        self.times.append(time.perf_counter())
+        self.programs.append(self.backend.programs_compiled())
+        super().put(value)
+
+    def on_finalized_text(self, text: str, stream_end: bool = False):
+        self.text += text
+        if self.widget is not None:
+            steps = len(self.times) - 2
+            rate = f"{steps / (self.times[-1] - self.times[1]):.1f} tok/s" if steps > 0 else ""
+            self.widget.value = f"<pre style='white-space:pre-wrap'>{self.text}</pre><b>{rate}</b>"
+
+    @property
+    def step_seconds(self) -> list[float]:
+        """Seconds per generated token: the first is the prefill (prompt in, first token out)."""
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+    @property
+    def step_programs(self) -> list[int | None]:
+        """Device programs compiled during each step (None where the backend does not count)."""
+        if self.programs[0] is None:
+            return [None] * (len(self.programs) - 1)
+        return [b - a for a, b in zip(self.programs, self.programs[1:])]
+
+
+def text_widget():
+    """An ipywidgets HTML box, shown in the notebook, for ``StepStreamer`` to write into."""
+    import ipywidgets
+    from IPython.display import display
+
+    widget = ipywidgets.HTML()
+    display(widget)
+    return widget
+
+
+def generate(model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, **kwargs):
+    """Greedy HF ``generate``, streamed; returns (generated token ids, the streamer, generate's output)."""
+    streamer = StepStreamer(tokenizer, backend, widget)
+    config = greedy_config(model, new_tokens)
+    config.update(**kwargs)  # e.g. cache_implementation="static"
+    out = model.generate(ids, generation_config=config, streamer=streamer)
+    backend.sync()
+    return out.sequences[0, ids.shape[1]:].tolist(), streamer, out
+
+
+def measure(model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs) -> dict:
+    """Prefill seconds and decode tokens/s, each the median over ``repeats`` runs after
+    ``warmup`` runs; every step ends with the token on the host, so the device is synced."""
+    runs = []
+    for i in range(warmup + repeats):
+        tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, **kwargs)
+        if i >= warmup:
+            runs.append(streamer.step_seconds)
+    prefill = statistics.median(r[0] for r in runs)
+    decode = statistics.median((len(r) - 1) / sum(r[1:]) for r in runs)
+    return {"prefill_s": prefill, "decode_tok_s": decode, "tokens": tokens, "repeats": repeats}
+
+
+# --- the reference tokens -------------------------------------------------------------------
+def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int) -> str:
+    """Model, backend, prompt and length: a reference is only valid for the same four."""
+    prompt = hashlib.sha256(json.dumps(ids[0].tolist()).encode()).hexdigest()[:12]
+    return f"{checkpoint.name}|{backend.name}|prompt {prompt}|{new_tokens} tokens"
+
+
+def save_reference(checkpoint, backend: Backend, ids: torch.Tensor, tokens: list[int], folder=None) -> str:
+    path = run_dir(folder) / "reference_tokens.json"
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    key = reference_key(checkpoint, backend, ids, len(tokens))
+    saved[key] = tokens
+    path.write_text(json.dumps(saved, indent=1))
+    return key
+
+
+def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, folder=None) -> list[int]:
+    """The reference tokens notebook 03 saved for this model, backend, prompt and length."""
+    path = run_dir(folder) / "reference_tokens.json"
+    key = reference_key(checkpoint, backend, ids, new_tokens)
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if key not in saved:
+        known = "; ".join(saved) or "none"
+        raise LookupError(f"no reference tokens for {key} in {path} (saved: {known}): run notebook 03 first, same settings")
+    return saved[key]
+
+
+def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: int) -> dict[str, dict]:
+    """Per mode (eager, and defer-and-fuse where the backend has it): seconds per step of the
+    first call and of a second, identical call, and the device programs each step compiled."""
+    calls = {}
+    for mode in backend.modes:
+        if mode == "compile":
+            continue  # HF generate as such is not compiled here: notebook 04 compiles a decode step
+        with backend.mode(mode):
+            tokens, first, _ = generate(model, tokenizer, ids, backend, new_tokens)
+            _, second, _ = generate(model, tokenizer, ids, backend, new_tokens)
+        calls[mode] = {"tokens": tokens, "first": first.step_seconds, "second": second.step_seconds,
+                       "programs_first": first.step_programs, "programs_second": second.step_programs}
+    return calls
+
+
+def load_for_series(backend: Backend):
+    """Notebook 02's checkpoint, tokenizer and the series' prompt, loaded as notebooks 03-06 use
+    them: the default compressed path, except where unpacking on the device is not exact."""
+    from . import checkpoint as ck
+
+    checkpoint = ck.choose_checkpoint(backend)
+    dequantize = not ck.unpack_is_exact(backend.device)
+    model, load_s = ck.load(checkpoint, backend, dtype=ck.series_dtype(checkpoint), dequantize=dequantize)
+    tokenizer = ck.load_tokenizer(checkpoint)
+    return checkpoint, model, tokenizer, ck.chat_ids(tokenizer, backend.device)
+
+
+def run_step(backend: Backend, results) -> dict:
+    """The tour's baseline step: decode tok/s and prefill time of HF generate, the reference
+    tokens saved for notebooks 04-06."""
+    checkpoint, model, tokenizer, ids = load_for_series(backend)
+    print(checkpoint)
+    measured = measure(model, tokenizer, ids, backend, generation_length(backend))
+    save_reference(checkpoint, backend, ids, measured["tokens"], results.path.parent)
+    return results.add(STEP, "HF generate", backend=backend.name, decode_tok_s=measured["decode_tok_s"],
+                       prefill_s=measured["prefill_s"], source_tok_s=SOURCE_TOK_S)

@@ -1,0 +1,146 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · The baseline: Hugging Face `generate`, measured honestly
+#
+# Plain `model.generate`, greedy, on the model notebook 02 loaded. We stream the text as it
+# comes, time the prefill (prompt in, first token out) apart from the decode steps, and look
+# at each step to see why this is slow on a TPU. The tokens it generates are saved as the
+# reference that notebooks 04-06 must reproduce exactly.
+#
+# **What the source measured:** about 5 tokens/s on a TPU v5e-1, where a JAX engine runs
+# the same model at 130+ tokens/s.
+
+# %% [markdown]
+# ## Set up
+
+# %%
+import importlib.util, os, subprocess, sys
+if importlib.util.find_spec("helpers") is None:  # Colab: fetch the course, then its helpers
+    repo = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")
+    subprocess.run(["git", "clone", "-q", repo, "/content/course"], check=True)
+    sys.path.insert(0, "/content/course")
+import helpers
+helpers.install_missing()
+
+# %% [markdown]
+# The model is loaded as in notebook 02: compressed-tensors' default path, except where
+# unpacking on the device is not exact (PyTorch/XLA), then `dequantize=True`. The tiny twin
+# runs in float32: its logits are nearly tied, and bf16 would round fused and unfused
+# programs differently (`helpers.checkpoint.series_dtype` says more).
+
+# %%
+backend = helpers.get_backend()
+checkpoint, model, tokenizer, ids = helpers.generate.load_for_series(backend)
+print(checkpoint)
+print(backend.describe())
+new_tokens = helpers.generate.generation_length(backend)  # 32; 8 on xla
+print(f"prompt: {ids.shape[1]} tokens, BOS first: {bool(ids[0, 0] == tokenizer.bos_token_id)}")
+print(tokenizer.decode(ids[0]))
+
+# %% [markdown]
+# ## First call, second call, per step
+# **What we test:** the same `generate` call twice in each mode, with the time of every
+# step (step 0 is the prefill) and the device programs each step compiled.
+#
+# In eager mode every op is its own dispatch, every step. Under defer-and-fuse the ops of a
+# step run as one program, but the sequence grows by one token per step: every step is a new
+# shape, so the first call compiles at every step, and only a second call of the same
+# length finds them all cached.
+
+# %%
+calls = helpers.generate.first_and_second_call(model, tokenizer, ids, backend, new_tokens)
+for mode, call in calls.items():
+    counted = f"; programs compiled per step, first call: {call['programs_first']}" if call["programs_first"][0] is not None else ""
+    print(f"{mode}: first call {sum(call['first']):.2f} s, second call {sum(call['second']):.2f} s{counted}")
+counts = {f"{m}, first call": c["programs_first"] for m, c in calls.items() if c["programs_first"][0] is not None}
+fig = helpers.bench.step_plot({f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
+                              f"HF generate on {backend.name}: seconds per step", counts or None)
+tokens = calls["eager"]["tokens"]
+if "defer_and_fuse" in calls:
+    assert all(p > 0 for p in calls["defer_and_fuse"]["programs_first"]), "every new length compiles"
+    assert sum(calls["defer_and_fuse"]["programs_second"]) == 0, "a second call reuses every program"
+    same = calls["defer_and_fuse"]["tokens"] == tokens
+    print("same tokens in both modes:", same)
+    assert same or not checkpoint.tiny  # float32 twin: must agree; bf16 E2B: rounding may differ
+
+# %% [markdown]
+# **What you should see:** under defer-and-fuse, every step of the first call compiles
+# (the bar below each step) and takes seconds; the second call compiles nothing. Eager
+# compiles its op programs once and then dispatches op by op.
+
+# %% [markdown]
+# ## Streaming, and what `generate` chose by itself
+# `generate` may pick a static cache and compile the forward on some hardware
+# (transformers lists `"tpu"` among those devices). We read which cache it used and whether
+# anything was compiled from this run, not from its documentation.
+
+# %%
+widget = helpers.generate.text_widget()
+with backend.compile_counter() as compiled:
+    streamed, streamer, out = helpers.generate.generate(model, tokenizer, ids, backend, new_tokens, widget=widget)
+print("cache used by generate:", type(out.past_key_values).__name__,
+      "| torch.compile graphs during generate:", compiled.graphs)
+print("text:", streamer.text)  # the tiny twin's weights are random: its text is noise
+assert streamed == tokens
+
+# %% [markdown]
+# ## Prefill and decode, measured
+# **What we test:** prefill seconds and decode tokens/s, each the median over 3 runs
+# after a warm-up run; each step ends with its token on the host, so the device is synced.
+
+# %%
+measured = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
+print(f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s "
+      f"(the source, TPU v5e-1: ~{helpers.generate.SOURCE_TOK_S} tok/s)")
+assert measured["tokens"] == tokens
+results = helpers.Results()
+results.add(helpers.generate.STEP, "HF generate", backend=backend.name, decode_tok_s=measured["decode_tok_s"],
+            prefill_s=measured["prefill_s"], source_tok_s=helpers.generate.SOURCE_TOK_S)
+fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.generate.STEP)
+
+# %% [markdown]
+# ## A trap on PyTorch/XLA: prompts shorter than the sliding window
+# transformers' sliding-window cache keeps the last `window - 1` positions with
+# `keys[:, :, -window + 1:]`. On a CPU, a start before the beginning is clamped; PyTorch/XLA
+# raises "Value out of range" instead. So there, any prompt shorter than the window fails
+# (with E2B's window of 512: any prompt under 511 tokens). Two ways through: pad the prompt
+# to the window, or ask `generate` for a static cache, which preallocates its buffers.
+
+# %%
+short = helpers.checkpoint.encode(tokenizer, "Paris", backend.device)
+window = model.config.sliding_window
+print(f"a {short.shape[1]}-token prompt, window {window}:")
+try:
+    helpers.generate.generate(model, tokenizer, short, backend, 2)
+    print("  default cache: works here")
+    trapped = False
+except RuntimeError as err:
+    print("  default cache fails:", str(err).splitlines()[0])
+    trapped = True
+assert trapped == (backend.name == "xla") or backend.name == "tpu"  # TorchTPU: as measured above
+with_static, _, out = helpers.generate.generate(model, tokenizer, short, backend, 2, cache_implementation="static")
+print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): works, tokens {with_static}")
+
+# %% [markdown]
+# ## The reference tokens
+# Saved in the run folder under a key of model, backend, prompt and length: notebooks 04-06
+# load them, and a mismatch in any of the four is caught rather than compared.
+
+# %%
+key = helpers.generate.save_reference(checkpoint, backend, ids, tokens)
+assert helpers.generate.load_reference(checkpoint, backend, ids, new_tokens) == tokens
+print("saved:", key)
+print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "source_tok_s"]))
