@@ -201,3 +201,14 @@ def step_plot(series: dict[str, list[float]], title: str, counts: dict[str, list
     if path:
         fig.savefig(path, dpi=100)
     return fig
+
+
+def copy_bandwidth(backend, megabytes: int = 256, repeats: int = 5) -> float:
+    """Bytes per second this device moves in a large copy (read + write), measured here: the
+    practical ceiling a memory-bound decode step can approach."""
+    import torch
+
+    src = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=backend.device)
+    dst = torch.empty_like(src)
+    timing = time_fn(dst.copy_, src, sync=lambda: (backend.flush(), backend.sync()), warmup=1, repeats=repeats)
+    return 2 * src.numel() * 4 / timing.median

@@ -389,7 +389,8 @@ def memory_report(model) -> list[dict]:
 
 def compression_report(model) -> list[dict]:
     """What compressed-tensors attached: wrapped module forwards, hooks, quantization status."""
-    wrapped = [n for n, m in model.named_modules() if "forward" in m.__dict__]
+    wrapped = [n for n, m in model.named_modules()  # an instance forward other than the class's own
+               if "forward" in m.__dict__ and getattr(m.forward, "__func__", None) is not type(m).forward]
     status = {}
     for name, module in model.named_modules():
         if getattr(module, "quantization_status", None) is not None:

@@ -169,3 +169,15 @@ def run_step(backend: Backend, results) -> dict:
     save_reference(checkpoint, backend, ids, measured["tokens"], results.path.parent)
     return results.add(STEP, "HF generate", backend=backend.name, decode_tok_s=measured["decode_tok_s"],
                        prefill_s=measured["prefill_s"], source_tok_s=SOURCE_TOK_S)
+
+
+def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int) -> list[int]:
+    """Notebook 03's reference tokens from the run folder; where this run has none (a notebook
+    opened on its own), HF generate makes them now, and says so."""
+    try:
+        return load_reference(checkpoint, backend, ids, new_tokens)
+    except LookupError:
+        print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
+        tokens, _, _ = generate(model, tokenizer, ids, backend, new_tokens)
+        save_reference(checkpoint, backend, ids, tokens)
+        return tokens
