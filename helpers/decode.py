@@ -120,16 +120,14 @@ class Decoder:
         every ``readback_every`` tokens (1: every token) and once at the end."""
         if ids.shape[1] + new_tokens > self.max_len:
             raise ValueError(f"prompt {ids.shape[1]} + {new_tokens} new tokens exceed the cache's {self.max_len} positions")
-        token, position = self.prefill(ids)
-        pending, tokens = [token], []
-        for _ in range(new_tokens - 1):
-            token, position = self.decode_step(token, position)
+        pending, tokens = [], []
+        for i in range(new_tokens):
+            token, position = self.prefill(ids) if i == 0 else self.decode_step(token, position)
             pending.append(token)
-            if len(pending) >= readback_every:
+            if len(pending) == readback_every:
                 tokens += self._read(pending, on_tokens)
                 pending = []
-        tokens += self._read(pending, on_tokens)
-        return tokens
+        return tokens + self._read(pending, on_tokens)
 
     def _read(self, pending, on_tokens) -> list[int]:
         if not pending:
@@ -201,3 +199,21 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
                 return counts, str(err).splitlines()[0]
             counts.append(count.graphs)
     return counts, None
+
+
+def run_step(backend: Backend, results) -> dict:
+    """The tour's compiled-decode step: same tokens as the reference, one step compile, tok/s."""
+    from . import generate as g
+
+    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    new_tokens = g.generation_length(backend)
+    reference = g.load_reference(checkpoint, backend, ids, new_tokens, results.path.parent)
+    with torch.no_grad():
+        model(ids)  # decompress, as generate would
+    strip_compressed_wrappers(model)
+    decoder = Decoder(model, backend, max_len=256)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(ids, new_tokens)
+    runs = [timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
+    return results.add(STEP, "compiled step", backend=backend.name, decode_tok_s=sorted(runs)[1],
+                       same_tokens=tokens == reference, compiles=count.graphs, source_tok_s=SOURCE_TOK_S)

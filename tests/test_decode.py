@@ -1,0 +1,90 @@
+"""The compiled decode step: wrapper stripping, one compile, no recompiles, buckets, readback."""
+
+import pytest
+import torch
+
+from helpers import checkpoint as ck
+from helpers import decode as d
+from helpers import generate as g
+
+
+@pytest.fixture(scope="module")
+def setup():
+    import helpers
+
+    backend = helpers.get_backend()
+    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    n = g.generation_length(backend)
+    reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
+    d.strip_compressed_wrappers(model)
+    torch._dynamo.reset()
+    decoder = d.Decoder(model, backend, max_len=128)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(ids, n)
+    return backend, model, tokenizer, ids, reference, decoder, tokens, count
+
+
+def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(backend):
+    checkpoint = ck.choose_checkpoint(backend)
+    if not ck.unpack_is_exact(backend.device):
+        pytest.skip("the default path cannot be checked where unpacking on the device is wrong")
+    model, _ = ck.load(checkpoint, backend, dtype=torch.float32)  # still packed: stripping decompresses it
+    dense, _ = ck.load(checkpoint, backend, dtype=torch.float32, dequantize=True)
+    removed = d.strip_compressed_wrappers(model)
+    assert removed["decompressed now"] and removed["wrapped forwards left"] == 0
+    report = {r["what"]: r["count"] for r in ck.compression_report(model)}
+    assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0
+    assert not any(hasattr(m, "weight_scale") or hasattr(m, "quantization_scheme") for m in model.modules())
+    ids = torch.tensor([[2, 7, 9, 11]], device=backend.device)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, dense(ids, use_cache=False).logits, rtol=0, atol=0)
+
+
+def test_one_prefill_and_one_step_compile_and_the_tokens_are_generates(setup):
+    _, _, _, _, reference, _, tokens, count = setup
+    assert tokens == reference and count.graphs == 2
+
+
+def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(setup):
+    backend, model, tokenizer, ids, _, decoder, _, _ = setup
+    long_run = decoder.max_len - decoder.bucket(ids.shape[1])
+    assert ids.shape[1] + long_run > 4 * model.config.sliding_window
+    others = [ck.chat_ids(tokenizer, backend.device, prompt=p) for p in ("Why do shapes matter?", "What does a ring buffer keep?")]
+    assert all(decoder.bucket(o.shape[1]) == decoder.bucket(ids.shape[1]) for o in others)
+    with backend.compile_counter() as count, d.no_recompiles():
+        decoder.generate(ids, long_run)
+        for other in others:
+            tokens = decoder.generate(other, 4)
+            assert tokens == g.generate(model, tokenizer, other, backend, 4)[0]
+    assert count.graphs == 0
+
+
+def test_the_guard_fails_loudly_on_a_recompile(setup):
+    backend, _, tokenizer, _, _, decoder, _, _ = setup
+    longer = ck.chat_ids(tokenizer, backend.device, prompt=ck.PROMPT * 3)  # a bigger prefill bucket
+    assert decoder.bucket(longer.shape[1]) > 32
+    with pytest.raises(Exception, match="[Rr]ecompil"), d.no_recompiles():
+        decoder.generate(longer, 2)
+
+
+@pytest.mark.parametrize("every", [1, 3, 16])
+def test_chunked_readback_gives_the_same_tokens_in_chunks(setup, every):
+    _, _, _, ids, reference, decoder, _, _ = setup
+    chunks = []
+    tokens = decoder.generate(ids, len(reference), readback_every=every, on_tokens=chunks.append)
+    assert tokens == reference
+    assert [len(c) for c in chunks[:-1]] == [every] * (len(chunks) - 1) and sum(map(len, chunks)) == len(reference)
+
+
+def test_a_run_beyond_the_cache_is_refused_with_the_numbers(setup):
+    _, _, _, ids, _, decoder, _, _ = setup
+    with pytest.raises(ValueError, match=f"prompt {ids.shape[1]} \\+ 200 new tokens exceed the cache's 128"):
+        decoder.generate(ids, 200)
+
+
+def test_bytes_per_token_counts_weights_once_and_the_cache(setup):
+    _, model, _, _, _, decoder, _, _ = setup
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache = d.cache_bytes(decoder.cache)
+    assert cache == sum(2 * l.keys.numel() * l.keys.element_size() for l in decoder.cache.layers if l.is_initialized) > 0
+    assert cache < d.bytes_per_token(model, decoder.cache) < weights + cache  # the per-layer table: one row only
