@@ -209,6 +209,19 @@ def component_bytes(model) -> list[dict]:
     return out
 
 
+def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V for ``positions`` tokens over the cache-owning layers (KV-sharing layers
+    hold none); with ``ring``, sliding layers keep only their window."""
+    total = 0
+    for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
+        if mode == "reuse":
+            continue
+        layer = config.per_layer_config[i]
+        length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
+        total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
+    return total
+
+
 # --- preflight: refuse before loading what cannot fit ----------------------------------------
 def estimate_device_bytes(config, dequantize: bool) -> int:
     """Device bytes the text decoder will hold once it has run a forward: compressed-tensors

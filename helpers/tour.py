@@ -12,12 +12,13 @@ import argparse
 
 from tqdm.auto import tqdm
 
-from . import checkpoint, decode, generate, modes
+from . import checkpoint, decode, generate, modes, qtable
 from .backend import get_backend
 from .bench import Results, run_dir
 
 STEPS = [("01 execution modes", modes.run_step), ("02 loading", checkpoint.run_step),
-         ("03 baseline generate", generate.run_step), ("04 compiled decode", decode.run_step)]
+         ("03 baseline generate", generate.run_step), ("04 compiled decode", decode.run_step),
+         ("05 4-bit table", qtable.run_step)]
 
 
 def main(argv: list[str] | None = None) -> None:

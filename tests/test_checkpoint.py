@@ -50,6 +50,12 @@ def test_e2b_bytes_on_the_meta_device_equal_the_reference_figures():
     assert rows["embed_tokens_per_layer"]["shape"] == [262144, 8960]
 
 
+def test_e2b_kv_cache_bytes_equal_the_reference_figures():
+    e2b = ck.e2b_config()
+    assert ck.kv_cache_bytes(e2b, 131_328) == 2_420_637_696  # 15 cache-owning layers, full length
+    assert ck.kv_cache_bytes(e2b, 131_328, ring=True) == 813_170_688  # sliding layers keep 512 slots
+
+
 def test_preflight_refuses_with_the_numbers_and_what_to_change():
     e2b, cpu = ck.e2b_config(), helpers.get_backend("cpu")
     with pytest.raises(ck.CheckpointError) as err:

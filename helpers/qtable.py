@@ -1,0 +1,156 @@
+"""The per-layer embedding table kept in 4-bit on the device: packed int4 codes, one bf16
+scale per group of 32, and only the rows of the current tokens dequantized, inside the step."""
+
+from __future__ import annotations
+
+import torch
+
+from .twin import GROUP_SIZE
+
+STEP = "05 4-bit table"
+SOURCE_TOK_S = 50  # the source's figure, TPU v5e-1
+ROWS_PER_BLOCK = 8192  # E2B's table is 2.3 G values: work through it on the host in blocks
+
+
+def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The 4-bit grid a QAT table lies on: int8 codes in [-8, 7] and one bf16 scale per group
+    such that codes x scale reproduces ``table`` bit for bit; None if some group is on no
+    such grid. A group's largest magnitude is k x scale for some k in 1..8: try each k."""
+    groups = table.float().reshape(table.shape[0], -1, group_size)
+    peak = groups.abs().amax(-1, keepdim=True)
+    codes = torch.zeros_like(groups, dtype=torch.int8)
+    scales = torch.ones_like(peak, dtype=torch.bfloat16)
+    found = peak == 0  # an all-zero group is exact with any scale
+    for k in range(1, 9):
+        scale = (peak / k).to(torch.bfloat16)
+        q = torch.round(groups / scale.float().clamp_min(torch.finfo(torch.float32).tiny)).clamp(-8, 7)
+        exact = ((q * scale.float()).to(table.dtype) == groups.to(table.dtype)).all(-1, keepdim=True) & ~found
+        codes = torch.where(exact, q.to(torch.int8), codes)
+        scales = torch.where(exact, scale, scales)
+        found |= exact
+    if not found.all():
+        return None
+    return codes.reshape(table.shape), scales.squeeze(-1)
+
+
+def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a table on no 4-bit grid: compressed-tensors' own symmetric int4 group quantization."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
+    groups = table.float().reshape(table.shape[0], -1, group_size)
+    peak = groups.abs().amax(-1)
+    scale, zero_point = calculate_qparams(-peak, peak, args)
+    codes = quantize(table.float(), scale, zero_point, args, dtype=torch.int8)
+    return codes, scale.to(torch.bfloat16)
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int4 codes from int32 words, eight per word, low nibble first: compressed-tensors'
+    `pack-quantized` layout. Written out because compressed-tensors' own unpack returned wrong
+    codes on PyTorch/XLA (notebook 02); these four ops trace and compile on every backend."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    return (((packed.unsqueeze(-1) >> shifts) & 15) - 8).flatten(-2)
+
+
+class QTable(torch.nn.Module):
+    """A drop-in for Gemma 4's scaled word embedding (same call, same embed scale), holding
+    the table as packed int4 with bf16 group scales; a lookup gathers the token's packed row
+    and its scales, then dequantizes only that row."""
+
+    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, embed_scale: float, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.embed_scale = embed_scale
+        self.dtype = dtype
+        self.embedding_dim = packed.shape[1] * 8
+
+    @classmethod
+    def from_embedding(cls, embedding, exact_only: bool = False) -> tuple["QTable", dict]:
+        """Built from a model's embedding: its exact 4-bit grid where it has one, else
+        compressed-tensors' quantization (and the error that introduces, in the report)."""
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+        from tqdm.auto import tqdm
+
+        table = embedding.weight.detach()
+        blocks = [table[i:i + ROWS_PER_BLOCK].cpu() for i in range(0, table.shape[0], ROWS_PER_BLOCK)]
+        grids = [recover_grid(b) for b in tqdm(blocks, desc="recovering the 4-bit grid", disable=len(blocks) < 4)]
+        exact = all(g is not None for g in grids)
+        if not exact and exact_only:
+            raise ValueError("the table is on no 4-bit grid")
+        if not exact:
+            grids = [quantize_int4(b) for b in tqdm(blocks, desc="quantizing", disable=len(blocks) < 4)]
+        packed = torch.cat([pack_to_int32(codes, 4) for codes, _ in grids])
+        scales = torch.cat([scales for _, scales in grids])
+        module = cls(packed.to(table.device), scales.to(table.device), embedding.scalar_embed_scale, table.dtype)
+        report = {"exact grid": exact, "bytes before": table.numel() * table.element_size(),
+                  "bytes after": module.nbytes()}
+        if not exact:
+            report["max abs error"] = max((module.rows(torch.arange(i, i + len(b), device=table.device)).cpu() - b)
+                                          .abs().max().item() for i, b in zip(range(0, table.shape[0], ROWS_PER_BLOCK), blocks))
+        return module, report
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in (self.packed, self.scales))
+
+    def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The dequantized rows of ``input_ids`` (any shape), in the table's dtype."""
+        codes = unpack_rows(self.packed[input_ids]).float()
+        scales = self.scales[input_ids].float().repeat_interleave(GROUP_SIZE, dim=-1)
+        return (codes * scales).to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # as Gemma4TextScaledWordEmbedding rounds it: a float32 scalar cast to the table dtype
+        return self.rows(input_ids) * torch.tensor(self.embed_scale).to(self.dtype).to(self.packed.device)
+
+
+def keep_table_in_4bit(model) -> dict:
+    """Swap the model's per-layer embedding table for a ``QTable``; the bf16 table is freed."""
+    old = model.model.embed_tokens_per_layer
+    model.model.embed_tokens_per_layer, report = QTable.from_embedding(old)
+    return report
+
+
+def e2b_bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
+    """Device bytes by component at E2B scale after each step 02-05, computed on the meta
+    device (no weights): what the stacked chart of notebook 05 shows beside the twin."""
+    from .checkpoint import component_bytes, e2b_config, kv_cache_bytes, meta_model
+
+    config = e2b_config()
+    parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
+    kv = kv_cache_bytes(config, max_len)
+    embed, table, linears = parts["embed_tokens"], parts["embed_tokens_per_layer"], parts["linears"]
+    return {
+        "02 loaded": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"],
+                      "linears": linears["int4_bytes"]},
+        "03 after 1st forward": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"],
+                                 "linears": linears["bf16_bytes"]},
+        "04 compiled step": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"],
+                             "linears": linears["bf16_bytes"], "KV cache": kv},
+        "05 4-bit table": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["int4_bytes"],
+                           "linears": linears["bf16_bytes"], "KV cache": kv},
+    }
+
+
+def run_step(backend, results) -> dict:
+    """The tour's 4-bit-table step: same tokens as the reference with the table packed, tok/s."""
+    from . import decode as d
+    from . import generate as g
+
+    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    new_tokens = g.generation_length(backend)
+    reference = g.load_reference(checkpoint, backend, ids, new_tokens, results.path.parent)
+    with torch.no_grad():
+        model(ids)
+    d.strip_compressed_wrappers(model)
+    report = keep_table_in_4bit(model)
+    decoder = d.Decoder(model, backend, max_len=256)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(ids, new_tokens)
+    runs = [d.timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
+    return results.add(STEP, "4-bit table", backend=backend.name, decode_tok_s=sorted(runs)[1],
+                       same_tokens=tokens == reference, compiles=count.graphs, table_bytes=report["bytes after"],
+                       source_tok_s=SOURCE_TOK_S)
