@@ -147,7 +147,8 @@ def no_recompiles():
 
 
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int) -> dict:
-    """One timed run: prefill seconds, decode tokens/s over the remaining tokens."""
+    """One timed run: prefill seconds, and decode tokens/s over the tokens after the first
+    (the whole run's time less that of a prefill timed alone just before it)."""
     backend = decoder.backend
     start = time.perf_counter()
     token, position = decoder.prefill(ids)
@@ -201,8 +202,10 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
     return counts, None
 
 
-def run_step(backend: Backend, results) -> dict:
-    """The tour's compiled-decode step: same tokens as the reference, one step compile, tok/s."""
+def compiled_run(backend: Backend, results, change_model=None) -> dict:
+    """Notebook 04's recipe end to end for the tour: load, decompress, strip, optionally
+    ``change_model(model)`` (notebook 05 packs its table), compile, generate, time. Returns
+    same-tokens-as-the-reference, compilations and decode tok/s (median of 3)."""
     from . import generate as g
 
     checkpoint, model, tokenizer, ids = g.load_for_series(backend)
@@ -211,9 +214,15 @@ def run_step(backend: Backend, results) -> dict:
     with torch.no_grad():
         model(ids)  # decompress, as generate would
     strip_compressed_wrappers(model)
+    extra = change_model(model) if change_model else {}
     decoder = Decoder(model, backend, max_len=256)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, new_tokens)
     runs = [timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
-    return results.add(STEP, "compiled step", backend=backend.name, decode_tok_s=sorted(runs)[1],
-                       same_tokens=tokens == reference, compiles=count.graphs, source_tok_s=SOURCE_TOK_S)
+    return {"backend": backend.name, "decode_tok_s": sorted(runs)[1], "same_tokens": tokens == reference,
+            "compiles": count.graphs, **extra}
+
+
+def run_step(backend: Backend, results) -> dict:
+    """The tour's compiled-decode step."""
+    return results.add(STEP, "compiled step", **compiled_run(backend, results), source_tok_s=SOURCE_TOK_S)

@@ -136,21 +136,11 @@ def e2b_bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
 
 
 def run_step(backend, results) -> dict:
-    """The tour's 4-bit-table step: same tokens as the reference with the table packed, tok/s."""
-    from . import decode as d
-    from . import generate as g
+    """The tour's 4-bit-table step: notebook 04's recipe with the table packed."""
+    from . import decode
 
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
-    new_tokens = g.generation_length(backend)
-    reference = g.load_reference(checkpoint, backend, ids, new_tokens, results.path.parent)
-    with torch.no_grad():
-        model(ids)
-    d.strip_compressed_wrappers(model)
-    report = keep_table_in_4bit(model)
-    decoder = d.Decoder(model, backend, max_len=256)
-    with backend.compile_counter() as count:
-        tokens = decoder.generate(ids, new_tokens)
-    runs = [d.timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
-    return results.add(STEP, "4-bit table", backend=backend.name, decode_tok_s=sorted(runs)[1],
-                       same_tokens=tokens == reference, compiles=count.graphs, table_bytes=report["bytes after"],
+    def pack_table(model):
+        return {"table_bytes": keep_table_in_4bit(model)["bytes after"]}
+
+    return results.add(STEP, "4-bit table", **decode.compiled_run(backend, results, pack_table),
                        source_tok_s=SOURCE_TOK_S)
