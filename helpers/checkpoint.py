@@ -453,7 +453,9 @@ def unpack_is_exact(device) -> bool:
     """Whether compressed-tensors' own unpack returns the packed int4 codes on ``device``.
 
     The default load path unpacks on the device at the first forward; on PyTorch/XLA 2.9
-    with compressed-tensors 0.15 this returns wrong codes (measured: about half of them).
+    with compressed-tensors 0.15 this returns wrong codes (measured: about half of them):
+    its unpack shifts int32 words right, and there `>>` of a negative word rounds like a
+    division, off by one in every word with the top bit set.
     """
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 

@@ -49,10 +49,13 @@ def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[to
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int4 codes from int32 words, eight per word, low nibble first: compressed-tensors'
-    `pack-quantized` layout. Written out because compressed-tensors' own unpack returned wrong
-    codes on PyTorch/XLA (notebook 02); these four ops trace and compile on every backend."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    return (((packed.unsqueeze(-1) >> shifts) & 15) - 8).flatten(-2)
+    `pack-quantized` layout. Written out because compressed-tensors' own unpack returns wrong
+    codes on PyTorch/XLA (notebook 02): there `>>` of a negative int32 rounds like a division
+    (measured: codes off by one in words with the top bit set). Shifting the words as
+    non-negative int64 avoids it; the gathered rows are small, and these ops trace everywhere."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    return (((words.unsqueeze(-1) >> shifts) & 15) - 8).to(torch.int32).flatten(-2)
 
 
 class QTable(torch.nn.Module):

@@ -168,8 +168,9 @@ fig = helpers.bench.stacked_bars({"default,\nafter load": by_kind(after_load), "
 # device: bf16 rounding differs between devices.
 #
 # A trap we measured on PyTorch/XLA 2.9 (compressed-tensors 0.15): the default path unpacks
-# on the device at the first forward, and there the unpack returns wrong int4 codes, so that
-# path's tokens differ. `dequantize=True` unpacks on the host and is right everywhere.
+# on the device at the first forward, and there the unpack returns wrong int4 codes (it
+# shifts int32 words right, and XLA's `>>` of a negative word rounds like a division), so
+# that path's tokens differ. `dequantize=True` unpacks on the host and is right everywhere.
 
 # %%
 expected = helpers.checkpoint.check_tokens(backend, checkpoint, ids, new_tokens)
