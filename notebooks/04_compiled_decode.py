@@ -80,7 +80,9 @@ assert report["modules with a wrapped forward"] == 0 and report["modules with fo
 # argmax on the device, the cache updated in place) compiles once, the prompt's prefill
 # once for its bucket; then a longer run, far past the sliding window, and a prompt of
 # another length in the same bucket compile nothing. Dynamo is told to fail on any
-# recompile inside that block.
+# recompile inside that block. The compiler is the backend's own (`"tpu"` on TorchTPU,
+# `"openxla"` on PyTorch/XLA, inductor on CUDA and CPU); options pass through, e.g.
+# `Decoder(model, backend, MAX_LEN, mode="reduce-overhead")` for CUDA graph replay.
 
 # %%
 torch._dynamo.reset()
