@@ -120,13 +120,14 @@ class Decoder:
         every ``readback_every`` tokens (1: every token) and once at the end."""
         if ids.shape[1] + new_tokens > self.max_len:
             raise ValueError(f"prompt {ids.shape[1]} + {new_tokens} new tokens exceed the cache's {self.max_len} positions")
-        pending, tokens = [], []
-        for i in range(new_tokens):
-            token, position = self.prefill(ids) if i == 0 else self.decode_step(token, position)
-            pending.append(token)
+        token, position = self.prefill(ids)
+        pending, tokens = [token], []
+        for _ in range(new_tokens - 1):
             if len(pending) == readback_every:
                 tokens += self._read(pending, on_tokens)
                 pending = []
+            token, position = self.decode_step(token, position)
+            pending.append(token)
         return tokens + self._read(pending, on_tokens)
 
     def _read(self, pending, on_tokens) -> list[int]:

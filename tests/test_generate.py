@@ -1,7 +1,6 @@
 """The baseline: greedy HF generate, per-step timing, measurement, reference tokens, the xla trap."""
 
 import pytest
-import torch
 
 from helpers import checkpoint as ck
 from helpers import generate as g

@@ -4,7 +4,6 @@ import pytest
 import torch
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
-from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import generate as g
 from helpers import qtable as q
