@@ -89,12 +89,40 @@ class QTable(torch.nn.Module):
         packed = torch.cat([pack_to_int32(codes, 4) for codes, _ in grids])
         scales = torch.cat([scales for _, scales in grids])
         module = cls(packed.to(table.device), scales.to(table.device), embedding.scalar_embed_scale, table.dtype)
-        report = {"exact grid": exact, "bytes before": table.numel() * table.element_size(),
+        report = {"from": "the table's own 4-bit grid" if exact else "compressed-tensors' quantization",
+                  "exact grid": exact, "bytes before": table.numel() * table.element_size(),
                   "bytes after": module.nbytes()}
         if not exact:
             report["max abs error"] = max((module.rows(torch.arange(i, i + len(b), device=table.device)).cpu() - b)
                                           .abs().max().item() for i, b in zip(range(0, table.shape[0], ROWS_PER_BLOCK), blocks))
         return module, report
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint, name: str, embedding) -> tuple["QTable", dict] | None:
+        """Built from the checkpoint's own packed data, if it saved table ``name`` packed
+        (``weight_packed``, ``weight_scale``, ``weight_shape``); else None. Read from the
+        safetensors files directly: transformers' default path drops such an embedding's weight."""
+        from safetensors import safe_open
+
+        from .checkpoint import _local_folder, checkpoint_key
+
+        key = checkpoint_key(f"model.{name}")
+        for path in sorted(_local_folder(checkpoint).glob("*.safetensors")):
+            with safe_open(path, "pt") as f:
+                if f"{key}.weight_packed" not in f.keys():
+                    continue
+                packed, scales = f.get_tensor(f"{key}.weight_packed"), f.get_tensor(f"{key}.weight_scale")
+                shape = tuple(f.get_tensor(f"{key}.weight_shape").tolist())
+            if shape != (embedding.num_embeddings, embedding.embedding_dim):
+                raise ValueError(f"{key} is saved packed as {shape}, the model expects "
+                                 f"{(embedding.num_embeddings, embedding.embedding_dim)}")
+            device = embedding.weight.device
+            module = cls(packed.to(device), scales.to(torch.bfloat16).to(device), embedding.scalar_embed_scale,
+                         embedding.weight.dtype)
+            return module, {"from": f"packed in {path.name}", "exact grid": True,  # the checkpoint's own codes
+                            "bytes before": shape[0] * shape[1] * embedding.weight.element_size(),
+                            "bytes after": module.nbytes()}
+        return None
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (self.packed, self.scales))
@@ -105,15 +133,41 @@ class QTable(torch.nn.Module):
         scales = self.scales[input_ids].float().repeat_interleave(GROUP_SIZE, dim=-1)
         return (codes * scales).to(self.dtype)
 
+    def dequantized(self) -> torch.Tensor:
+        """The whole table, dequantized (what a tied output head multiplies by)."""
+        return self.rows(torch.arange(self.packed.shape[0], device=self.packed.device))
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # as Gemma4TextScaledWordEmbedding rounds it: a float32 scalar cast to the table dtype
         return self.rows(input_ids) * torch.tensor(self.embed_scale).to(self.dtype).to(self.packed.device)
 
 
-def keep_table_in_4bit(model) -> dict:
-    """Swap the model's per-layer embedding table for a ``QTable``; the bf16 table is freed."""
+class QHead(torch.nn.Module):
+    """The output head tied to a ``QTable``: the table dequantized inside the step, then the
+    bf16 head's own matmul, so logits read exactly the values the lookups do."""
+
+    def __init__(self, table: QTable):
+        super().__init__()
+        self.table = table
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden, self.table.dequantized())
+
+
+def keep_table_in_4bit(model, checkpoint=None) -> dict:
+    """Swap the model's per-layer embedding table for a ``QTable``, from the checkpoint's packed
+    data if it has it, else from the table's own grid; the bf16 table is freed."""
     old = model.model.embed_tokens_per_layer
-    model.model.embed_tokens_per_layer, report = QTable.from_embedding(old)
+    built = QTable.from_checkpoint(checkpoint, "embed_tokens_per_layer", old) if checkpoint else None
+    model.model.embed_tokens_per_layer, report = built or QTable.from_embedding(old)
+    return report
+
+
+def keep_embed_in_4bit(model) -> dict:
+    """The measured extra, off by default: the main table in 4-bit as well. It is tied with the
+    output head, so the head becomes a ``QHead`` on the same packed table."""
+    model.model.embed_tokens, report = QTable.from_embedding(model.model.embed_tokens)
+    model.lm_head = QHead(model.model.embed_tokens)
     return report
 
 

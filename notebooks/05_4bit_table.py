@@ -94,7 +94,7 @@ print("rows equal bit for bit: first and last id, repeated ids, a batch of rando
 
 # %%
 before = backend.memory()
-helpers.qtable.keep_table_in_4bit(model)
+helpers.qtable.keep_table_in_4bit(model, checkpoint)  # the checkpoint's packed table, if it saved one
 del old_table, qtable
 after = backend.memory()
 print(f"table: {fmt_bytes(report['bytes before'])} -> {fmt_bytes(report['bytes after'])} on {backend.device}")
@@ -132,6 +132,29 @@ print(f"decode {rate:.1f} tok/s with the 4-bit table, {rate_bf16_table:.1f} with
 print(results.table(["step", "label", "backend", "decode_tok_s", "source_tok_s", "compiles", "same_tokens"]))
 
 # %% [markdown]
+# ## A measured extra: the main table in 4-bit as well
+# **What the source did:** only the per-layer table went to 4-bit. The main `embed_tokens` is
+# tied with the output head, so in 4-bit the head must multiply by the same dequantized
+# values: each step then dequantizes the whole table for the head's matmul. Off by default;
+# kept only where the tokens stay identical (measured here, side by side).
+
+# %%
+main = e2b["embed_tokens"]
+print(f"E2B embed_tokens {main['shape']}: {fmt_bytes(main['bf16_bytes'])} in bf16 -> {fmt_bytes(main['int4_bytes'])} in int4")
+print(helpers.qtable.keep_embed_in_4bit(model))
+torch._dynamo.reset()
+decoder = helpers.decode.Decoder(model, backend, max_len=256)
+with backend.compile_counter() as compiled_main:
+    tokens_main = decoder.generate(ids, new_tokens)
+rate_main = decode_rate(decoder)
+print(f"main table in 4-bit too: same tokens {tokens_main == reference}, {compiled_main.graphs} graphs,"
+      f" {rate_main:.1f} tok/s vs {rate:.1f} (this run): {rate_main / rate:.2f}x ->",
+      "worth keeping" if tokens_main == reference and rate_main > rate else "left off")
+
+# %% [markdown]
 # **What you should see:** the table exact on its grid; the same tokens and one compiled
 # step; at E2B scale 3.38 GB less on the device. On a TPU the smaller table also means fewer
-# bytes per step; on the tiny twin the table is a few hundred kB and speed barely moves.
+# bytes per step; on the tiny twin the table is a few hundred kB and speed barely moves. The main table in
+4-bit keeps the tokens on the twin (its table is on the grid too); whether it pays depends on
+the device: the head then dequantizes the whole table every step, extra work on a CPU, fewer
+bytes read on a TPU (at E2B, 226 MB instead of 805 MB).

@@ -90,3 +90,48 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
     assert tokens == reference and count.graphs == 2
+
+
+def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows(tmp_path):
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    import helpers
+    from helpers import checkpoint as ck
+
+    backend = helpers.get_backend()
+    source, model, _, _ = g.load_for_series(backend)
+    assert q.QTable.from_checkpoint(source, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
+    shutil.copytree(source.source, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    key = "model.language_model.embed_tokens_per_layer"
+    codes, scales = q.recover_grid(tensors.pop(f"{key}.weight"))
+    tensors |= {f"{key}.weight_packed": pack_to_int32(codes, 4), f"{key}.weight_scale": scales,
+                f"{key}.weight_shape": torch.tensor(codes.shape)}
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    packed = ck.Checkpoint(str(tmp_path), None, True, "its per-layer table saved packed")
+    table = model.model.embed_tokens_per_layer
+    module, report = q.QTable.from_checkpoint(packed, "embed_tokens_per_layer", table)
+    assert report["from"] == "packed in model.safetensors" and report["bytes after"] == module.nbytes()
+    ids = torch.tensor([[0, table.num_embeddings - 1, 3, 3]], device=backend.device)
+    assert torch.equal(module(ids).cpu(), table(ids).cpu())
+
+
+def test_the_main_table_in_4bit_keeps_the_tied_heads_logits_and_the_tokens():
+    import helpers
+
+    backend = helpers.get_backend()
+    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    n = g.generation_length(backend)
+    reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
+    d.strip_compressed_wrappers(model)
+    hidden = torch.randn(1, 3, model.config.hidden_size, device=backend.device, dtype=model.lm_head.weight.dtype)
+    logits = model.lm_head(hidden)
+    report = q.keep_embed_in_4bit(model)
+    assert report["exact grid"] and isinstance(model.lm_head, q.QHead)
+    assert torch.equal(model.lm_head(hidden).cpu(), logits.cpu())
+    torch._dynamo.reset()
+    decoder = d.Decoder(model, backend, max_len=128)
+    assert decoder.generate(ids, n) == reference
