@@ -41,7 +41,7 @@ _EXPORTS = {
 }
 
 
-_MODULES = {"backend", "bench", "checkpoint", "decode", "generate", "modes", "qtable", "setup", "tour", "twin"}
+_MODULES = {"backend", "bench", "checkpoint", "decode", "generate", "modes", "qtable", "ring", "setup", "tour", "twin"}
 
 
 def __getattr__(name):

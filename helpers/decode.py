@@ -81,9 +81,12 @@ class Decoder:
 
     def __init__(self, model, backend: Backend, max_len: int, **compile_options):
         self.model, self.backend, self.max_len = model, backend, max_len
-        self.cache = static_cache(model, max_len)
+        self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self._step, fullgraph=True, **compile_options)
         self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
+
+    def new_cache(self, model, max_len: int) -> Cache:
+        return static_cache(model, max_len)
 
     def _step(self, token, position):
         logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
@@ -203,10 +206,11 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
     return counts, None
 
 
-def compiled_run(backend: Backend, results, change_model=None) -> dict:
+def compiled_run(backend: Backend, results, change_model=None, decoder_class=Decoder) -> dict:
     """Notebook 04's recipe end to end for the tour: load, decompress, strip, optionally
     ``change_model(model)`` (notebook 05 packs its table), compile, generate, time. Returns
-    same-tokens-as-the-reference, compilations and decode tok/s (median of 3)."""
+    same-tokens-as-the-reference, compilations, decode tok/s (median of 3) and the bytes of
+    weights and cache on the device, from their tensors."""
     from . import generate as g
 
     checkpoint, model, tokenizer, ids = g.load_for_series(backend)
@@ -216,12 +220,13 @@ def compiled_run(backend: Backend, results, change_model=None) -> dict:
         model(ids)  # decompress, as generate would
     strip_compressed_wrappers(model)
     extra = change_model(model) if change_model else {}
-    decoder = Decoder(model, backend, max_len=256)
+    decoder = decoder_class(model, backend, max_len=256)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, new_tokens)
     runs = [timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return {"backend": backend.name, "decode_tok_s": sorted(runs)[1], "same_tokens": tokens == reference,
-            "compiles": count.graphs, **extra}
+            "compiles": count.graphs, "device_bytes": weights + cache_bytes(decoder.cache), **extra}
 
 
 def run_step(backend: Backend, results) -> dict:

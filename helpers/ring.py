@@ -1,0 +1,194 @@
+"""A ring KV cache: each sliding-window layer keeps exactly ``sliding_window`` positions
+(position p in slot p mod window), each full-attention layer a buffer up to the maximum
+context, KV-sharing layers nothing. Masks come from absolute positions, so a slot's position
+is always known; long prompts go through in fixed-size chunks, the last one padded."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+
+from .decode import Decoder
+
+STEP = "06 ring cache"
+SOURCE_TOK_S = 38  # the source's figure, TPU v5e-1: 38-45 tok/s (38 at long context)
+EMPTY = -1  # the position of a slot never written
+
+
+class _Chunk:
+    """The positions of the chunk going through the model now, shared by every layer."""
+
+    positions: torch.Tensor  # [C] absolute positions
+    valid: torch.Tensor  # [C] False for the padding at the end of the last prompt chunk
+
+
+class RingLayer(CacheLayerMixin):
+    """A sliding-window layer's K/V in a ring of ``window`` slots. ``update`` returns the ring
+    as it was followed by the chunk (window + C keys: all a query of the chunk may need), then
+    writes the chunk's real positions into their slots; padding is never written."""
+
+    is_compileable = True
+    is_sliding = True
+
+    def __init__(self, window: int, chunk: _Chunk):
+        super().__init__()
+        self.window, self.chunk = window, chunk
+
+    def lazy_initialization(self, key_states, value_states):
+        shape = (*key_states.shape[:2], self.window)
+        self.keys = torch.zeros(*shape, key_states.shape[-1], dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(*shape, value_states.shape[-1], dtype=value_states.dtype, device=key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys = torch.cat([self.keys, key_states], dim=2)
+        values = torch.cat([self.values, value_states], dim=2)
+        slots = self.chunk.positions % self.window  # distinct, since a chunk is at most a window long
+        keep = self.chunk.valid.view(1, 1, -1, 1)
+        self.keys.index_copy_(2, slots, torch.where(keep, key_states, self.keys.index_select(2, slots)))
+        self.values.index_copy_(2, slots, torch.where(keep, value_states, self.values.index_select(2, slots)))
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.window + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.window
+
+    def get_max_length(self) -> int:
+        return self.window
+
+
+class FullLayer(StaticLayer):
+    """A full-attention layer's K/V for every position up to the maximum context, written at
+    the chunk's absolute positions (padding lands past the prompt, masked until overwritten)."""
+
+    def __init__(self, max_len: int, chunk: _Chunk):
+        super().__init__(max_len)
+        self.chunk = chunk
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.keys.index_copy_(2, self.chunk.positions, key_states)
+        self.values.index_copy_(2, self.chunk.positions, value_states)
+        return self.keys, self.values
+
+
+class RingCache(Cache):
+    """The model's cache through ``past_key_values``/``cache``: ring layers for sliding
+    attention, full layers for full attention, nothing for KV-sharing layers; all allocated now.
+
+    Per chunk: ``begin(positions, valid)``, ``masks()`` for the model's ``attention_mask``, the
+    forward, then ``commit()`` records which position each ring slot now holds."""
+
+    def __init__(self, model, max_len: int, chunk_size: int):
+        config = model.config.get_text_config()
+        self.window, self.max_len, self.chunk_size = config.sliding_window, max_len, chunk_size
+        if not 0 < chunk_size <= self.window:
+            raise ValueError(f"chunk size {chunk_size} must be 1..{self.window} (the sliding window): a longer "
+                             "chunk would write two positions into one ring slot")
+        if max_len % chunk_size:
+            raise ValueError(f"max_len {max_len} must be a multiple of the chunk size {chunk_size}, so that the "
+                             f"padded last chunk stays inside the full layers (e.g. {-(-max_len // chunk_size) * chunk_size})")
+        self.attn_implementation = config._attn_implementation
+        device = next(model.parameters()).device
+        self.chunk = _Chunk()
+        self.slot_positions = torch.full((self.window,), EMPTY, dtype=torch.long, device=device)
+        layers = []
+        for decoder in model.model.layers:
+            attn = decoder.self_attn
+            layer = RingLayer(self.window, self.chunk) if attn.is_sliding else FullLayer(max_len, self.chunk)
+            if not attn.is_kv_shared_layer:  # a sharing layer reads an earlier layer's K/V, stores none
+                kv = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim,
+                                 dtype=attn.k_proj.weight.dtype, device=device)
+                layer.lazy_initialization(kv, kv)
+            layers.append(layer)
+        super().__init__(layers=layers)
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are not cleared: masks keep stale slots out)."""
+        self.slot_positions.fill_(EMPTY)
+
+    def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        self.chunk.positions, self.chunk.valid = positions, valid
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """Which keys each query of the chunk sees, by absolute position: a sliding layer's
+        keys are its ring then the chunk (q - window < k <= q; never-written slots are out), a
+        full layer's keys are positions 0..max_len-1 (k <= q)."""
+        q = self.chunk.positions[:, None]
+        ring = torch.cat([self.slot_positions, self.chunk.positions])[None, :]
+        sliding = (ring <= q) & (ring > q - self.window) & (ring != EMPTY)
+        full = torch.arange(self.max_len, device=q.device)[None, :] <= q
+        return {"sliding_attention": self._as_mask(sliding), "full_attention": self._as_mask(full)}
+
+    def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        allowed = allowed[None, None]
+        if self.attn_implementation == "sdpa":
+            return allowed
+        # eager attention adds its mask to the scores
+        return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+    def commit(self) -> None:
+        slots = self.chunk.positions % self.window
+        kept = torch.where(self.chunk.valid, self.chunk.positions, self.slot_positions.index_select(0, slots))
+        self.slot_positions.index_copy_(0, slots, kept)
+
+
+class RingDecoder(Decoder):
+    """Notebook 04's decoder on a ring cache: one compiled decode step for every position, and
+    one compiled prefill chunk of ``chunk_size`` tokens for prompts of any length."""
+
+    def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, **compile_options):
+        self.chunk_size = chunk_size or model.config.get_text_config().sliding_window
+        super().__init__(model, backend, max_len, **compile_options)
+
+    def new_cache(self, model, max_len: int) -> RingCache:
+        return RingCache(model, max_len, self.chunk_size)
+
+    def forward_chunk(self, tokens, positions, valid):
+        """Logits for ``tokens`` [1, C] at ``positions`` [1, C] (``valid`` [C]: not padding)."""
+        self.cache.begin(positions[0], valid)
+        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.cache.masks(),
+                            cache=self.cache, use_cache=True).logits
+        self.cache.commit()
+        return logits
+
+    def _step(self, token, position):
+        logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device))
+        return logits[:, -1].argmax(-1, keepdim=True), position + 1
+
+    def _prefill(self, tokens, positions, valid, last):
+        return self.forward_chunk(tokens, positions, valid)[0].index_select(0, last).argmax(-1, keepdim=True)
+
+    def chunks(self, length: int, device):
+        """(start, positions [1, C], valid [C]) for each fixed-size chunk of a ``length``-token prompt."""
+        for start in range(0, length, self.chunk_size):
+            positions = torch.arange(start, start + self.chunk_size, device=device)
+            yield start, positions[None], positions < length
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor):
+        """The prompt in chunks of ``chunk_size`` tokens, the last one padded: a prompt of any
+        length compiles one program, and no attention matrix is larger than C x (window + C)
+        or C x max_len. Returns the first new token and its position (device tensors)."""
+        length = ids.shape[1]
+        if length > self.max_len:
+            raise ValueError(f"a {length}-token prompt exceeds the cache's {self.max_len} positions")
+        self.cache.reset()
+        for start, positions, valid in self.chunks(length, ids.device):
+            tokens = torch.zeros(1, self.chunk_size, dtype=ids.dtype, device=ids.device)
+            tokens[:, :min(self.chunk_size, length - start)] = ids[:, start:start + self.chunk_size]
+            last = torch.tensor([min(length - 1 - start, self.chunk_size - 1)], device=ids.device)
+            token = self.prefill_step(tokens, positions, valid, last)
+        return token, torch.tensor([[length]], device=ids.device)
+
+
+def run_step(backend, results) -> dict:
+    """The tour's ring-cache step: notebook 05's model (4-bit table) on the ring cache."""
+    from . import decode, qtable
+
+    def pack_table(model):
+        return {"table_bytes": qtable.keep_table_in_4bit(model)["bytes after"]}
+
+    return results.add(STEP, "ring cache", **decode.compiled_run(backend, results, pack_table, RingDecoder),
+                       source_tok_s=SOURCE_TOK_S)

@@ -1,0 +1,162 @@
+"""The ring KV cache: logits and attention outputs equal a no-cache reference at every
+position, bytes, refusals, one compiled decode step and one compiled prefill chunk."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+from helpers import checkpoint as ck
+from helpers import decode as d
+from helpers import ring, twin
+
+W = twin.TEXT_CONFIG["sliding_window"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random tiny model of the real class, the twin's shape, float32, on the CPU."""
+    torch.manual_seed(0)
+    return Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    from helpers.backend import get_backend
+
+    return get_backend("cpu")
+
+
+def _by_definition(length: int) -> dict:
+    """Masks written from the definition: full k <= q; sliding also q - k < window."""
+    q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    return {"full_attention": (k <= q)[None, None], "sliding_attention": ((k <= q) & (q - k < W))[None, None]}
+
+
+def _attention_outputs(model):
+    """Forward hooks recording each attention layer's output, per call."""
+    seen = {i: [] for i in range(len(model.model.layers))}
+    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[0][0]))
+             for i, layer in enumerate(model.model.layers)]
+    return seen, hooks
+
+
+def _no_cache(model, seq, masks=None):
+    seen, hooks = _attention_outputs(model)
+    with torch.no_grad():
+        logits = model(seq, attention_mask=masks, use_cache=False).logits[0]
+    for h in hooks:
+        h.remove()
+    return logits, {i: out[0] for i, out in seen.items()}
+
+
+def _through_the_ring(decoder, seq, prompt_len):
+    """Logits and attention outputs at every position: the prompt in chunks, then one token at
+    a time (teacher-forced: the same path as generation, with known tokens)."""
+    seen, hooks = _attention_outputs(decoder.model)
+    logits, kept = [], []
+    with torch.no_grad():
+        decoder.cache.reset()
+        for start, positions, valid in decoder.chunks(prompt_len, seq.device):
+            n = int(valid.sum())
+            tokens = torch.zeros(1, decoder.chunk_size, dtype=seq.dtype)
+            tokens[:, :n] = seq[:, start:start + n]
+            logits.append(decoder.forward_chunk(tokens, positions, valid)[0, :n])
+            kept.append(n)
+        for p in range(prompt_len, seq.shape[1]):
+            logits.append(decoder.forward_chunk(seq[:, p:p + 1], torch.tensor([[p]]), torch.ones(1, dtype=torch.bool))[0])
+            kept.append(1)
+    for h in hooks:
+        h.remove()
+    outputs = {i: torch.cat([o[:n] for o, n in zip(outs, kept)]) for i, outs in seen.items()}
+    return torch.cat(logits), outputs
+
+
+def test_the_reference_is_trustworthy_hf_no_cache_masks_equal_the_definition(tiny):
+    """The reference is HF's forward over the whole sequence with no cache at all: no cache
+    layer, no slot bookkeeping, only HF's mask from positions 0..L-1. HF's sliding mask had a
+    bug past the window (with a cache) until mid-2026; here it equals masks written from the
+    definition, far past the window."""
+    seq = torch.randint(0, 512, (1, 5 * W + 3), generator=torch.Generator().manual_seed(0))
+    hf, _ = _no_cache(tiny, seq)
+    ours, _ = _no_cache(tiny, seq, _by_definition(seq.shape[1]))
+    assert torch.equal(hf, ours)
+    full_only, _ = _no_cache(tiny, seq, {"full_attention": _by_definition(seq.shape[1])["full_attention"]} | {
+        "sliding_attention": _by_definition(seq.shape[1])["full_attention"]})
+    assert not torch.allclose(hf[W:], full_only[W:], atol=1e-3)  # the window matters past it: the test can fail
+
+
+lengths = st.one_of(st.sampled_from([1, W - 1, W, W + 1, 2 * W, 3 * W + 5, 53, 7 * W + 3]), st.integers(1, 8 * W))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompt_len=lengths, new_tokens=st.one_of(st.sampled_from([0, 1, W - 1, W + 1, 3 * W]), st.integers(0, 4 * W)),
+       chunk=st.sampled_from([1, 3, 5, 7, 12, W]), seed=st.integers(0, 2**16))
+def test_logits_and_attention_equal_the_no_cache_reference_at_every_position(tiny, cpu, prompt_len, new_tokens,
+                                                                                chunk, seed):
+    seq = torch.randint(0, 512, (1, prompt_len + new_tokens), generator=torch.Generator().manual_seed(seed))
+    max_len = -(-seq.shape[1] // chunk) * chunk
+    decoder = ring.RingDecoder(tiny, cpu, max_len=max_len, chunk_size=chunk)
+    logits, attention = _through_the_ring(decoder, seq, prompt_len)
+    ref_logits, ref_attention = _no_cache(tiny, seq)
+    # float32 sums in another order (keys ring-ordered, padding masked): differences of 1e-5..1e-4;
+    # a wrong mask or slot moves them by 1e-2 and more (the reference test above)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=1e-3)
+    for i, out in attention.items():
+        torch.testing.assert_close(out, ref_attention[i], atol=1e-3, rtol=1e-3, msg=lambda m: f"layer {i}: {m}")
+
+
+def test_the_cache_holds_a_window_per_sliding_layer_a_full_buffer_per_full_layer_and_nothing_when_shared(tiny, cpu):
+    cache = ring.RingDecoder(tiny, cpu, max_len=96, chunk_size=12).cache
+    for layer, decoder in zip(cache.layers, tiny.model.layers):
+        attn = decoder.self_attn
+        assert layer.is_initialized == (not attn.is_kv_shared_layer)
+        if layer.is_initialized:
+            assert layer.keys.shape[2] == (W if attn.is_sliding else 96)
+    config = tiny.config
+    assert d.cache_bytes(cache) == ck.kv_cache_bytes(config, 96, ring=True, dtype_bytes=4)
+    assert d.cache_bytes(cache) < ck.kv_cache_bytes(config, 96, dtype_bytes=4)
+
+
+def test_e2b_ring_cache_bytes_at_131328_positions():
+    config = ck.e2b_config().get_text_config()
+    assert ck.kv_cache_bytes(config, 131_328, ring=True) == 813_170_688
+    assert ck.kv_cache_bytes(config, 131_328) == 2_420_637_696
+
+
+def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(tiny, cpu):
+    with pytest.raises(ValueError, match=f"chunk size {W + 1} must be 1..{W}"):
+        ring.RingDecoder(tiny, cpu, max_len=(W + 1) * 4, chunk_size=W + 1)
+    with pytest.raises(ValueError, match="max_len 100 must be a multiple of the chunk size 16.*e.g. 112"):
+        ring.RingDecoder(tiny, cpu, max_len=100, chunk_size=16)
+    decoder = ring.RingDecoder(tiny, cpu, max_len=64, chunk_size=16)
+    with pytest.raises(ValueError, match="prompt 60 \\+ 5 new tokens exceed the cache's 64 positions"):
+        decoder.generate(torch.zeros(1, 60, dtype=torch.long), 5)
+    with pytest.raises(ValueError, match="a 65-token prompt exceeds the cache's 64 positions"):
+        decoder.prefill(torch.zeros(1, 65, dtype=torch.long))
+
+
+def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_4bit_table(backend):
+    from helpers import generate as g
+    from helpers import qtable
+
+    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    n = g.generation_length(backend)
+    reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
+    d.strip_compressed_wrappers(model)
+    qtable.keep_table_in_4bit(model)
+    torch._dynamo.reset()
+    decoder = ring.RingDecoder(model, backend, max_len=256)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(ids, n)
+    assert tokens == reference and count.graphs == 2  # one prefill chunk, one decode step
+    long = ids.repeat(1, 8)[:, :7 * W + 3]  # crosses the window seven times; the last chunk padded
+    with backend.compile_counter() as again, d.no_recompiles():
+        tokens = decoder.generate(long, n)
+    assert again.graphs == 0
+    seq = long
+    with torch.no_grad():
+        for _ in range(n):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert tokens == seq[0, long.shape[1]:].tolist()
