@@ -15,11 +15,11 @@ SOURCE_TOK_S = 38  # the source's figure, TPU v5e-1: 38-45 tok/s (38 at long con
 EMPTY = -1  # the position of a slot never written
 
 
-class _Chunk:
-    """The positions of the chunk going through the model now, shared by every layer."""
-
-    positions: torch.Tensor  # [C] absolute positions
-    valid: torch.Tensor  # [C] False for the padding at the end of the last prompt chunk
+def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's absolute positions [C] and which are not padding [C], passed from the model's
+    forward through the attention kwargs to every layer: inputs of the step, not cache state."""
+    kwargs = kwargs.get("kwargs", kwargs)
+    return kwargs["ring_positions"], kwargs["ring_valid"]
 
 
 class RingLayer(CacheLayerMixin):
@@ -30,9 +30,9 @@ class RingLayer(CacheLayerMixin):
     is_compileable = True
     is_sliding = True
 
-    def __init__(self, window: int, chunk: _Chunk):
+    def __init__(self, window: int):
         super().__init__()
-        self.window, self.chunk = window, chunk
+        self.window = window
 
     def lazy_initialization(self, key_states, value_states):
         shape = (*key_states.shape[:2], self.window)
@@ -43,8 +43,9 @@ class RingLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
-        slots = self.chunk.positions % self.window  # distinct, since a chunk is at most a window long
-        keep = self.chunk.valid.view(1, 1, -1, 1)
+        positions, valid = _chunk(kwargs)
+        slots = positions % self.window  # distinct, since a chunk is at most a window long
+        keep = valid.view(1, 1, -1, 1)
         self.keys.index_copy_(2, slots, torch.where(keep, key_states, self.keys.index_select(2, slots)))
         self.values.index_copy_(2, slots, torch.where(keep, value_states, self.values.index_select(2, slots)))
         return keys, values
@@ -63,13 +64,10 @@ class FullLayer(StaticLayer):
     """A full-attention layer's K/V for every position up to the maximum context, written at
     the chunk's absolute positions (padding lands past the prompt, masked until overwritten)."""
 
-    def __init__(self, max_len: int, chunk: _Chunk):
-        super().__init__(max_len)
-        self.chunk = chunk
-
     def update(self, key_states, value_states, *args, **kwargs):
-        self.keys.index_copy_(2, self.chunk.positions, key_states)
-        self.values.index_copy_(2, self.chunk.positions, value_states)
+        positions, _ = _chunk(kwargs)
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
         return self.keys, self.values
 
 
@@ -77,8 +75,9 @@ class RingCache(Cache):
     """The model's cache through ``past_key_values``/``cache``: ring layers for sliding
     attention, full layers for full attention, nothing for KV-sharing layers; all allocated now.
 
-    Per chunk: ``begin(positions, valid)``, ``masks()`` for the model's ``attention_mask``, the
-    forward, then ``commit()`` records which position each ring slot now holds."""
+    Per chunk: ``masks(positions)`` for the model's ``attention_mask``, the forward with
+    ``ring_positions`` and ``ring_valid``, then ``commit(positions, valid)`` records which
+    position each ring slot now holds."""
 
     def __init__(self, model, max_len: int, chunk_size: int):
         config = model.config.get_text_config()
@@ -91,12 +90,11 @@ class RingCache(Cache):
                              f"padded last chunk stays inside the full layers (e.g. {-(-max_len // chunk_size) * chunk_size})")
         self.attn_implementation = config._attn_implementation
         device = next(model.parameters()).device
-        self.chunk = _Chunk()
         self.slot_positions = torch.full((self.window,), EMPTY, dtype=torch.long, device=device)
         layers = []
         for decoder in model.model.layers:
             attn = decoder.self_attn
-            layer = RingLayer(self.window, self.chunk) if attn.is_sliding else FullLayer(max_len, self.chunk)
+            layer = RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)
             if not attn.is_kv_shared_layer:  # a sharing layer reads an earlier layer's K/V, stores none
                 kv = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim,
                                  dtype=attn.k_proj.weight.dtype, device=device)
@@ -108,15 +106,12 @@ class RingCache(Cache):
         """Forget every position (the buffers are not cleared: masks keep stale slots out)."""
         self.slot_positions.fill_(EMPTY)
 
-    def begin(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        self.chunk.positions, self.chunk.valid = positions, valid
-
-    def masks(self) -> dict[str, torch.Tensor]:
+    def masks(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
         """Which keys each query of the chunk sees, by absolute position: a sliding layer's
         keys are its ring then the chunk (q - window < k <= q; never-written slots are out), a
         full layer's keys are positions 0..max_len-1 (k <= q)."""
-        q = self.chunk.positions[:, None]
-        ring = torch.cat([self.slot_positions, self.chunk.positions])[None, :]
+        q = positions[:, None]
+        ring = torch.cat([self.slot_positions, positions])[None, :]
         sliding = (ring <= q) & (ring > q - self.window) & (ring != EMPTY)
         full = torch.arange(self.max_len, device=q.device)[None, :] <= q
         return {"sliding_attention": self._as_mask(sliding), "full_attention": self._as_mask(full)}
@@ -128,9 +123,9 @@ class RingCache(Cache):
         # eager attention adds its mask to the scores
         return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
-    def commit(self) -> None:
-        slots = self.chunk.positions % self.window
-        kept = torch.where(self.chunk.valid, self.chunk.positions, self.slot_positions.index_select(0, slots))
+    def commit(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        slots = positions % self.window
+        kept = torch.where(valid, positions, self.slot_positions.index_select(0, slots))
         self.slot_positions.index_copy_(0, slots, kept)
 
 
@@ -147,10 +142,9 @@ class RingDecoder(Decoder):
 
     def forward_chunk(self, tokens, positions, valid):
         """Logits for ``tokens`` [1, C] at ``positions`` [1, C] (``valid`` [C]: not padding)."""
-        self.cache.begin(positions[0], valid)
-        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.cache.masks(),
-                            cache=self.cache, use_cache=True).logits
-        self.cache.commit()
+        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.cache.masks(positions[0]),
+                            cache=self.cache, use_cache=True, ring_positions=positions[0], ring_valid=valid).logits
+        self.cache.commit(positions[0], valid)
         return logits
 
     def _step(self, token, position):
@@ -163,8 +157,10 @@ class RingDecoder(Decoder):
     def chunks(self, length: int, device):
         """(start, positions [1, C], valid [C]) for each fixed-size chunk of a ``length``-token prompt."""
         for start in range(0, length, self.chunk_size):
-            positions = torch.arange(start, start + self.chunk_size, device=device)
-            yield start, positions[None], positions < length
+            # made on the host, then copied: PyTorch/XLA fed a compiled chunk the first call's
+            # values for positions computed lazily on the device (measured: slots never advanced)
+            positions = torch.arange(start, start + self.chunk_size)
+            yield start, positions[None].to(device), (positions < length).to(device)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor):
@@ -181,6 +177,91 @@ class RingDecoder(Decoder):
             last = torch.tensor([min(length - 1 - start, self.chunk_size - 1)], device=ids.device)
             token = self.prefill_step(tokens, positions, valid, last)
         return token, torch.tensor([[length]], device=ids.device)
+
+
+def decode_ms(step, token, position, steps: int, backend) -> float:
+    """Median ms of ``steps`` decode steps, each fed the previous step's token and waited for."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        token, position = step(token, position)
+        backend.sync()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def hf_default_step(model, cache):
+    """A decode step on HF's default cache (what ``generate`` builds: a ``DynamicCache``)."""
+    def step(token, position):
+        logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
+        return logits[:, -1].argmax(-1, keepdim=True), position + 1
+    return step
+
+
+@torch.no_grad()
+def context_sweep(decoder: RingDecoder, lengths, steps: int, hf_default: bool = True) -> list[dict]:
+    """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled)
+    and, if ``hf_default``, on HF's default cache (eager, whole-prompt prefill), side by side;
+    cache bytes measured from the cache tensors."""
+    import time
+
+    from tqdm.auto import tqdm
+
+    from .decode import cache_bytes
+
+    backend, model, rows = decoder.backend, decoder.model, []
+    vocab = model.config.get_text_config().vocab_size
+    for length in tqdm(lengths, desc="contexts"):
+        ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(backend.device)
+        decoder.prefill(ids)  # warm (compiles once, at the first length)
+        start = time.perf_counter()
+        token, position = decoder.prefill(ids)
+        backend.sync()
+        row = {"context": length, "ring prefill s": time.perf_counter() - start,
+               "ring ms/token": decode_ms(decoder.decode_step, token, position, steps, backend),
+               "ring cache bytes": cache_bytes(decoder.cache)}
+        if hf_default:
+            start = time.perf_counter()
+            out = model(ids, use_cache=True)
+            backend.sync()
+            row["HF prefill s"] = time.perf_counter() - start
+            first = out.logits[:, -1].argmax(-1, keepdim=True)
+            row["HF ms/token"] = decode_ms(hf_default_step(model, out.past_key_values), first,
+                                           torch.tensor([[length]], device=backend.device), steps, backend)
+            row["HF cache bytes"] = sum(t.numel() * t.element_size() for l in out.past_key_values.layers
+                                        for t in (l.keys, l.values) if t is not None)
+        rows.append(row)
+    return rows
+
+
+def plot_sweep(rows: list[dict]):
+    """Prefill time against prompt length, decode time per token against context length."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    x = [r["context"] for r in rows]
+    for ax, what, unit in ((axes[0], "prefill s", "prefill (s)"), (axes[1], "ms/token", "decode (ms per token)")):
+        for cache in ("ring", "HF"):
+            if f"{cache} {what}" in rows[0]:
+                label = "ring cache, compiled" if cache == "ring" else "HF default cache, eager"
+                ax.plot(x, [r[f"{cache} {what}"] for r in rows], "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt length (tokens)" if what == "prefill s" else "context (tokens)")
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=8)
+    fig.suptitle("measured in this run")
+    fig.tight_layout()
+    return fig
+
+
+def closing_charts(results):
+    """The series' closing charts: decode tok/s for every step beside the source's figures,
+    and the bytes of weights and cache on the device for the steps that measured them."""
+    return (results.chart("decode_tok_s", "decode tokens/s, all steps", source="source_tok_s"),
+            results.chart("device_bytes", "weights + KV cache on the device (bytes, from the tensors)"))
 
 
 def run_step(backend, results) -> dict:

@@ -12,13 +12,13 @@ import argparse
 
 from tqdm.auto import tqdm
 
-from . import checkpoint, decode, generate, modes, qtable
+from . import checkpoint, decode, generate, modes, qtable, ring
 from .backend import get_backend
 from .bench import Results, run_dir
 
 STEPS = [("01 execution modes", modes.run_step), ("02 loading", checkpoint.run_step),
          ("03 baseline generate", generate.run_step), ("04 compiled decode", decode.run_step),
-         ("05 4-bit table", qtable.run_step)]
+         ("05 4-bit table", qtable.run_step), ("06 ring cache", ring.run_step)]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> None:
                          "device_bytes", "same_tokens", "decode_tok_s", "prefill_s", "compiles", "source_tok_s"]))
     results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP, log=True)
     results.chart("device_bytes", "model bytes on the device after a forward", step=checkpoint.STEP)
-    results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
+    ring.closing_charts(results)
     print(f"results and charts in {results.path.parent}/")
 
 
