@@ -220,6 +220,7 @@ def compiled_run(backend: Backend, results, change_model=None, decoder_class=Dec
         model(ids)  # decompress, as generate would
     strip_compressed_wrappers(model)
     extra = change_model(model) if change_model else {}
+    torch._dynamo.reset()  # count what this step compiles, not a graph an earlier run left cached
     decoder = decoder_class(model, backend, max_len=256)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, new_tokens)
