@@ -12,7 +12,7 @@ import statistics
 import time
 
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from cpu_model import cpu_model
 
 import helpers
 from helpers import decode as d
@@ -26,13 +26,7 @@ parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
 
 backend = helpers.get_backend("cpu")
-torch.manual_seed(0)
-config = Gemma4TextConfig(
-    vocab_size=8192, vocab_size_per_layer_input=8192, hidden_size=512, hidden_size_per_layer_input=64,
-    intermediate_size=2048, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
-    global_head_dim=256, num_kv_shared_layers=4, sliding_window=64, final_logit_softcapping=30.0,
-    layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(10)])
-model = Gemma4ForCausalLM(config).eval()
+model = cpu_model()
 print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, float32, on the CPU")
 ids = torch.randint(3, 8192, (1, 48))
 n = args.tokens

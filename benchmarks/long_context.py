@@ -11,7 +11,7 @@ import argparse
 import time
 
 import torch
-from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+from cpu_model import cpu_model
 
 import helpers
 from helpers import decode as d
@@ -24,13 +24,8 @@ parser.add_argument("--steps", type=int, default=16)
 args = parser.parse_args()
 
 backend = helpers.get_backend("cpu")
-torch.manual_seed(0)
-config = Gemma4TextConfig(
-    vocab_size=8192, vocab_size_per_layer_input=8192, hidden_size=512, hidden_size_per_layer_input=64,
-    intermediate_size=2048, num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=1, head_dim=128,
-    global_head_dim=256, num_kv_shared_layers=4, sliding_window=512, final_logit_softcapping=30.0,
-    max_position_embeddings=16384, layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(10)])
-model = Gemma4ForCausalLM(config).eval()
+model = cpu_model(sliding_window=512, max_position_embeddings=16384)  # E2B's window
+config = model.config
 print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, float32, window "
       f"{config.sliding_window}, on the CPU")
 
