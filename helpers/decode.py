@@ -4,6 +4,7 @@ every input on the device, compiled once and reused for every token."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -49,15 +50,22 @@ def static_cache(model, max_len: int) -> Cache:
     shifts its buffer once full, so a compiled step recompiles at every position. A full-length
     ``StaticLayer`` keeps its count in a device tensor; the model's sliding mask does the rest
     (notebook 06 replaces these full-length sliding layers with a ring)."""
-    layers = [StaticLayer(max_len) for _ in model.model.layers]
-    for layer, decoder in zip(layers, model.model.layers):
+    return Cache(layers=allocated_layers(model, lambda attn: StaticLayer(max_len)))
+
+
+def allocated_layers(model, make_layer) -> list:
+    """One cache layer per decoder layer, ``make_layer(self_attn)``, its buffers allocated now
+    for the layers that own K/V; a K/V-sharing layer reads an earlier layer's and stores none."""
+    layers = []
+    for decoder in model.model.layers:
         attn = decoder.self_attn
-        if attn.is_kv_shared_layer:
-            continue  # it reads the K/V of an earlier layer and stores none
-        kv = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim,
-                         dtype=attn.k_proj.weight.dtype, device=attn.k_proj.weight.device)
-        layer.lazy_initialization(kv, kv)
-    return Cache(layers=layers)
+        layer = make_layer(attn)
+        if not attn.is_kv_shared_layer:
+            kv = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim,
+                             dtype=attn.k_proj.weight.dtype, device=attn.k_proj.weight.device)
+            layer.lazy_initialization(kv, kv)
+        layers.append(layer)
+    return layers
 
 
 def set_length(cache: Cache, length: int) -> None:
@@ -69,6 +77,19 @@ def set_length(cache: Cache, length: int) -> None:
 
 def cache_bytes(cache: Cache) -> int:
     return sum(l.keys.numel() * l.keys.element_size() * 2 for l in cache.layers if l.is_initialized)
+
+
+def device_bytes(model, cache: Cache) -> int:
+    """Weights and buffers (tied ones once) plus the KV cache, from their tensors."""
+    from .checkpoint import memory_report
+
+    return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)
+
+
+def greedy_step(model, cache: Cache, token, position):
+    """One decode step: the last token in, the next greedy token and its position out."""
+    logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
+    return logits[:, -1].argmax(-1, keepdim=True), position + 1
 
 
 class Decoder:
@@ -89,8 +110,7 @@ class Decoder:
         return static_cache(model, max_len)
 
     def _step(self, token, position):
-        logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
-        return logits[:, -1].argmax(-1, keepdim=True), position + 1
+        return greedy_step(self.model, self.cache, token, position)
 
     def _prefill(self, tokens, last):
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
@@ -185,11 +205,7 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
 
-    def step(token, position):
-        logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
-        return logits[:, -1].argmax(-1, keepdim=True), position + 1
-
-    compiled = torch.compile(step, backend="eager", dynamic=False, fullgraph=True)
+    compiled = torch.compile(functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True)
     with torch.no_grad():
         logits = model(input_ids=ids, cache=cache, use_cache=True).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
@@ -225,9 +241,8 @@ def compiled_run(backend: Backend, results, change_model=None, decoder_class=Dec
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, new_tokens)
     runs = [timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
-    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     return {"backend": backend.name, "decode_tok_s": sorted(runs)[1], "same_tokens": tokens == reference,
-            "compiles": count.graphs, "device_bytes": weights + cache_bytes(decoder.cache), **extra}
+            "compiles": count.graphs, "device_bytes": device_bytes(model, decoder.cache), **extra}
 
 
 def run_step(backend: Backend, results) -> dict:

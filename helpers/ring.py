@@ -6,9 +6,9 @@ is always known; long prompts go through in fixed-size chunks, the last one padd
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, StaticLayer
+from transformers.cache_utils import Cache, StaticLayer
 
-from .decode import Decoder
+from .decode import Decoder, allocated_layers, cache_bytes, greedy_step
 
 STEP = "06 ring cache"
 SOURCE_TOK_S = 38  # the source's figure, TPU v5e-1: 38-45 tok/s (38 at long context)
@@ -22,23 +22,17 @@ def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     return kwargs["ring_positions"], kwargs["ring_valid"]
 
 
-class RingLayer(CacheLayerMixin):
-    """A sliding-window layer's K/V in a ring of ``window`` slots. ``update`` returns the ring
-    as it was followed by the chunk (window + C keys: all a query of the chunk may need), then
-    writes the chunk's real positions into their slots; padding is never written."""
+class RingLayer(StaticLayer):
+    """A sliding-window layer's K/V in a ring of ``window`` slots (a ``StaticLayer`` of that
+    length). ``update`` returns the ring as it was followed by the chunk (window + C keys: all
+    a query of the chunk may need), then writes the chunk's real positions into their slots;
+    padding is never written."""
 
-    is_compileable = True
     is_sliding = True
 
     def __init__(self, window: int):
-        super().__init__()
+        super().__init__(window)
         self.window = window
-
-    def lazy_initialization(self, key_states, value_states):
-        shape = (*key_states.shape[:2], self.window)
-        self.keys = torch.zeros(*shape, key_states.shape[-1], dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(*shape, value_states.shape[-1], dtype=value_states.dtype, device=key_states.device)
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         keys = torch.cat([self.keys, key_states], dim=2)
@@ -52,12 +46,6 @@ class RingLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.window + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.window
-
-    def get_max_length(self) -> int:
-        return self.window
 
 
 class FullLayer(StaticLayer):
@@ -89,18 +77,10 @@ class RingCache(Cache):
             raise ValueError(f"max_len {max_len} must be a multiple of the chunk size {chunk_size}, so that the "
                              f"padded last chunk stays inside the full layers (e.g. {-(-max_len // chunk_size) * chunk_size})")
         self.attn_implementation = config._attn_implementation
-        device = next(model.parameters()).device
-        self.slot_positions = torch.full((self.window,), EMPTY, dtype=torch.long, device=device)
-        layers = []
-        for decoder in model.model.layers:
-            attn = decoder.self_attn
-            layer = RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)
-            if not attn.is_kv_shared_layer:  # a sharing layer reads an earlier layer's K/V, stores none
-                kv = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim,
-                                 dtype=attn.k_proj.weight.dtype, device=device)
-                layer.lazy_initialization(kv, kv)
-            layers.append(layer)
-        super().__init__(layers=layers)
+        self.slot_positions = torch.full((self.window,), EMPTY, dtype=torch.long,
+                                         device=next(model.parameters()).device)
+        super().__init__(layers=allocated_layers(
+            model, lambda attn: RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)))
 
     def reset(self) -> None:
         """Forget every position (the buffers are not cleared: masks keep stale slots out)."""
@@ -193,43 +173,40 @@ def decode_ms(step, token, position, steps: int, backend) -> float:
     return 1e3 * statistics.median(times)
 
 
-def hf_default_step(model, cache):
-    """A decode step on HF's default cache (what ``generate`` builds: a ``DynamicCache``)."""
-    def step(token, position):
-        logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
-        return logits[:, -1].argmax(-1, keepdim=True), position + 1
-    return step
-
-
 @torch.no_grad()
-def context_sweep(decoder: RingDecoder, lengths, steps: int, hf_default: bool = True) -> list[dict]:
-    """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled)
-    and, if ``hf_default``, on HF's default cache (eager, whole-prompt prefill), side by side;
-    cache bytes measured from the cache tensors."""
+def context_sweep(decoder: RingDecoder, lengths, steps: int, hf_default: bool = True, eager: bool = False) -> list[dict]:
+    """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled;
+    also not compiled if ``eager``) and, if ``hf_default``, on HF's default cache (what
+    ``generate`` builds: a ``DynamicCache``, whole-prompt prefill, eager), side by side; cache
+    bytes measured from the cache tensors."""
+    import functools
     import time
 
     from tqdm.auto import tqdm
 
-    from .decode import cache_bytes
-
     backend, model, rows = decoder.backend, decoder.model, []
     vocab = model.config.get_text_config().vocab_size
-    for length in tqdm(lengths, desc="contexts"):
-        ids = torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(backend.device)
-        decoder.prefill(ids)  # warm (compiles once, at the first length)
+    prompts = [torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device)
+               for n in lengths]
+    decoder.generate(prompts[0], 2)  # compiles the prefill chunk and the step: every length reuses them
+    for ids in tqdm(prompts, desc="contexts"):
+        length = ids.shape[1]
         start = time.perf_counter()
         token, position = decoder.prefill(ids)
         backend.sync()
         row = {"context": length, "ring prefill s": time.perf_counter() - start,
                "ring ms/token": decode_ms(decoder.decode_step, token, position, steps, backend),
                "ring cache bytes": cache_bytes(decoder.cache)}
+        if eager:
+            token, position = decoder.prefill(ids)
+            row["ring eager ms/token"] = decode_ms(decoder._step, token, position, steps, backend)
         if hf_default:
             start = time.perf_counter()
             out = model(ids, use_cache=True)
             backend.sync()
             row["HF prefill s"] = time.perf_counter() - start
-            first = out.logits[:, -1].argmax(-1, keepdim=True)
-            row["HF ms/token"] = decode_ms(hf_default_step(model, out.past_key_values), first,
+            step = functools.partial(greedy_step, model, out.past_key_values)
+            row["HF ms/token"] = decode_ms(step, out.logits[:, -1].argmax(-1, keepdim=True),
                                            torch.tensor([[length]], device=backend.device), steps, backend)
             row["HF cache bytes"] = sum(t.numel() * t.element_size() for l in out.past_key_values.layers
                                         for t in (l.keys, l.values) if t is not None)

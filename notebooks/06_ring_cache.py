@@ -171,10 +171,9 @@ fig = helpers.ring.plot_sweep(sweep)
 # %%
 import statistics
 rate = statistics.median(helpers.decode.timed_generate(decoder, ids, new_tokens, 16)["decode_tok_s"] for _ in range(3))
-weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 results = helpers.Results()
 results.add(helpers.ring.STEP, "ring cache", backend=backend.name, decode_tok_s=rate, compiles=compiled.graphs,
-            same_tokens=tokens == reference, device_bytes=weights + ring_bytes, source_tok_s=helpers.ring.SOURCE_TOK_S)
+            same_tokens=tokens == reference, device_bytes=helpers.decode.device_bytes(model, decoder.cache), source_tok_s=helpers.ring.SOURCE_TOK_S)
 print(results.table(["step", "label", "backend", "decode_tok_s", "source_tok_s", "device_bytes", "compiles", "same_tokens"]))
 figs = helpers.ring.closing_charts(results)
 
