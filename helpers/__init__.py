@@ -10,16 +10,29 @@ import importlib.util
 import os
 
 
-def _tpu_on_pci() -> bool:
-    # Google's PCI vendor id: how libtpu itself finds a TPU chip, without touching any client.
-    for path in glob.glob("/sys/bus/pci/devices/*/vendor"):
-        with open(path) as f:
-            if f.read().strip() == "0x1ae0":
-                return True
-    return False
+GOOGLE_PCI_VENDOR = "0x1ae0"
+# TPU chips by PCI device id (as Google's tpu-info reads them). The vendor id alone is not a
+# TPU: Google's gVNIC network card (device 0x0042) reports it too.
+TPU_PCI_DEVICES = {"0x0027": "v2/v3", "0x0056": "v4 lite", "0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e",
+                   "0x006f": "v6e", "0x0076": "7x"}
 
 
-if not _tpu_on_pci():
+def tpu_chips(root: str = "/sys/bus/pci/devices") -> list[str]:
+    """The TPU chips on this machine's PCI bus, by kind (``["v5e"]`` on a Colab v5e-1), read
+    from sysfs without touching any TPU client."""
+    chips = []
+    for device in sorted(glob.glob(os.path.join(root, "*"))):
+        try:
+            with open(os.path.join(device, "vendor")) as v, open(os.path.join(device, "device")) as d:
+                vendor, device_id = v.read().strip(), d.read().strip()
+        except OSError:
+            continue
+        if vendor == GOOGLE_PCI_VENDOR and device_id in TPU_PCI_DEVICES:
+            chips.append(TPU_PCI_DEVICES[device_id])
+    return chips
+
+
+if not tpu_chips():
     # Without a TPU, a libtpu client would query the cloud metadata server for minutes, and
     # an installed torch_tpu would be loaded by `import torch` itself: switch both off.
     os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -41,7 +54,8 @@ _EXPORTS = {
 }
 
 
-_MODULES = {"backend", "bench", "checkpoint", "decode", "generate", "modes", "qtable", "ring", "setup", "tour", "twin"}
+_MODULES = {"backend", "bench", "checkpoint", "course", "decode", "generate", "modes", "qtable", "ring", "setup", "tour",
+            "twin"}
 
 
 def __getattr__(name):
@@ -52,4 +66,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(_EXPORTS.keys() | _MODULES)
+__all__ = sorted(_EXPORTS.keys() | _MODULES | {"tpu_chips"})

@@ -5,7 +5,7 @@ Backends: ``tpu`` (TorchTPU, device "tpu"), ``xla`` (PyTorch/XLA, a TPU or its C
 
 Every call into ``torch_tpu`` lives in this module, and ``torch_xla`` is imported only when
 the ``xla`` backend is asked for: importing either on a machine without their hardware can
-hang or abort the process (see ``shared/reference/torch_tpu.md``).
+hang or abort the process (see ``docs/torch_tpu.md``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 from typing import Callable
 
 import torch
+
+from . import tpu_chips
 
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
@@ -43,11 +45,20 @@ def _xla_asked() -> bool:
 
 
 def detect() -> str:
-    """The backend this machine offers: tpu, then xla (if PJRT_DEVICE is set), cuda, cpu."""
+    """The backend this machine offers: tpu, then xla (if PJRT_DEVICE is set), cuda, cpu.
+
+    A machine with a TPU chip where TorchTPU did not come up raises rather than falling back
+    to cpu: numbers measured on the host must not pass for the TPU's."""
     if _tpu_present():
         return "tpu"
     if _xla_asked():
         return "xla"
+    chips = tpu_chips()
+    if chips:
+        raise BackendError(
+            f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "
+            "set-up cell (it installs torch_tpu), restart the runtime if it says so (Runtime > Restart session), "
+            f"then run all cells; to run on the host instead, set {ENV_VAR}=cpu.")
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
@@ -140,6 +151,11 @@ class Backend:
         except RuntimeError:  # the CPU client has no allocator stats ("GetAllocatorStats is not supported")
             return None
 
+    def empty_cache(self) -> None:
+        """Hand the allocator's cached blocks back to the device (after a model is dropped)."""
+        if self.name in ("tpu", "cuda"):
+            torch.accelerator.empty_cache()
+
     def reset_peak_memory(self) -> None:
         if self.name in ("tpu", "cuda"):
             torch.accelerator.reset_peak_memory_stats()
@@ -230,6 +246,12 @@ class Backend:
             get = stats.get if isinstance(stats, dict) else lambda key: getattr(stats, key)
             return get("num_cache_reqs") - get("num_cache_hits"), get("num_cache_reqs")
         return None, None
+
+    def counts_executions(self, mode: str) -> bool:
+        """Whether ``compile_counter`` sees the launches of ``mode``: PyTorch/XLA counts every
+        execution; TorchTPU counts its eager program cache, which a compiled call bypasses (it
+        runs its executable directly), so there a compiled call would read 0."""
+        return self.name == "xla" or (self.name == "tpu" and mode != "compile")
 
     def programs_compiled(self) -> int | None:
         """Device programs compiled so far in this process (None where not counted)."""

@@ -7,6 +7,7 @@ without access, the tiny twin (`helpers.twin`) takes its place through the same 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import pathlib
@@ -76,6 +77,7 @@ class Checkpoint:
     revision: str | None
     tiny: bool
     reason: str
+    folder: str | None = None  # a local snapshot of ``source`` already at hand (the Hub's cache)
 
     @property
     def name(self) -> str:
@@ -97,20 +99,50 @@ def series_dtype(checkpoint: Checkpoint) -> torch.dtype:
 
 
 def hf_token() -> str | None:
-    """The Hugging Face token: $HF_TOKEN, else Colab's secret HF_TOKEN."""
-    token = os.environ.get("HF_TOKEN")
-    if token:
-        return token
+    """The Hugging Face token as huggingface_hub finds it: ``$HF_TOKEN``, a token stored by
+    ``huggingface_hub.login()``, or Colab's secret ``HF_TOKEN``."""
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # the chat template is chat_template.jinja
+
+
+def _hub_unreachable(repo_id: str, token: str) -> str | None:
+    """Why the Hub cannot say whether ``token`` may read ``repo_id`` (offline, a network error,
+    an outage), or None when it says yes; a clear error when it says no."""
+    from huggingface_hub import auth_check
+    from huggingface_hub.errors import GatedRepoError, HTTPError, RepositoryNotFoundError
+
     try:
-        from google.colab import userdata  # only in Colab
-        return userdata.get("HF_TOKEN")
-    except Exception:  # not in Colab, or the secret is absent or not granted to this notebook
+        auth_check(repo_id, token=token)
+    except GatedRepoError:
+        raise CheckpointError(
+            f"the Hugging Face token has no access to {repo_id}: accept the Gemma licence at "
+            f"https://huggingface.co/{repo_id} with the token's account, then rerun; or continue on the tiny "
+            f"twin with os.environ['{MODEL_VAR}'] = 'tiny'.") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo_id}: no such repository, or the token cannot see it.") from None
+    except (OSError, HTTPError) as err:  # offline mode, connection errors, 5xx answers
+        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no answer'}"
+    return None
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=_PATTERNS, local_files_only=True)
+    except LocalEntryNotFoundError:
         return None
 
 
 def choose_checkpoint(backend: Backend) -> Checkpoint:
     """The real checkpoint on a TPU with a token, else the tiny twin; ``$HELPERS_MODEL`` decides
-    if set (a repo id, a local folder, or ``tiny``)."""
+    if set (a repo id, a local folder, or ``tiny``). When the Hub cannot be reached, the cached
+    snapshot if there is one, else the twin, with the reason in the printed line."""
     asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
     if asked == "tiny":
         return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
@@ -118,32 +150,38 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
     if backend.name != "tpu":
         return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU here (backend {backend.name})")
-    if hf_token() is None:
-        return Checkpoint(str(build_tiny_twin()), None, True, "no Hugging Face token (HF_TOKEN)")
-    return Checkpoint(REPO_ID, revision, False, "TPU and a Hugging Face token")
+    token = hf_token()
+    if token is None:
+        return Checkpoint(str(build_tiny_twin()), None, True,
+                          "no Hugging Face token: huggingface_hub.login(), HF_TOKEN, or the Colab secret HF_TOKEN")
+    unreachable = _hub_unreachable(REPO_ID, token)
+    if unreachable is None:
+        return Checkpoint(REPO_ID, revision, False, "TPU and a Hugging Face token")
+    cached = _cached_snapshot(REPO_ID, revision)
+    if cached:
+        return Checkpoint(REPO_ID, revision, False, f"the Hub is unreachable ({unreachable}): its cached snapshot", cached)
+    return Checkpoint(str(build_tiny_twin()), None, True, f"the Hub is unreachable ({unreachable}) and nothing is cached")
 
 
 def _local_folder(checkpoint: Checkpoint) -> pathlib.Path:
     """A local folder holding the checkpoint: downloaded only after access was checked."""
+    if checkpoint.folder:
+        return pathlib.Path(checkpoint.folder)
     folder = pathlib.Path(checkpoint.source)
     if folder.is_dir():
         return folder
-    from huggingface_hub import auth_check, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
+    from huggingface_hub import snapshot_download
 
     token = hf_token()
     if token is None:
-        raise CheckpointError(f"{checkpoint.source} is gated and no Hugging Face token was found: set HF_TOKEN "
-                              "(in Colab: the key icon > add secret HF_TOKEN, notebook access on).")
-    try:
-        auth_check(checkpoint.source, token=token)
-    except GatedRepoError:
-        raise CheckpointError(f"the token has no access to {checkpoint.source}: accept the Gemma licence at "
-                              f"https://huggingface.co/{checkpoint.source} with the token's account.") from None
-    except RepositoryNotFoundError:
-        raise CheckpointError(f"{checkpoint.source}: no such repository, or the token cannot see it.") from None
+        raise CheckpointError(f"{checkpoint.source} is gated and no Hugging Face token was found: run "
+                              "huggingface_hub.login(), set HF_TOKEN, or in Colab add the secret HF_TOKEN "
+                              "(the key icon, notebook access on).")
+    unreachable = _hub_unreachable(checkpoint.source, token)
+    if unreachable:
+        raise CheckpointError(f"cannot reach the Hub for {checkpoint.source} ({unreachable}) and it is not cached.")
     return pathlib.Path(snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token,
-                                          allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+                                          allow_patterns=_PATTERNS))
 
 
 def read_config(folder: str | os.PathLike):
@@ -281,6 +319,9 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
     from transformers.utils import logging as hf_logging
 
     start = time.perf_counter()
+    if backend.name == "tpu" and dtype == torch.float32:
+        # a TPU runs float32 matmuls in bf16 by default: the twin's exact comparisons need float32
+        torch.set_float32_matmul_precision("highest")
     folder = _local_folder(checkpoint)
     config = text_config(read_config(folder))
     print(preflight(config, backend, dequantize))
@@ -305,6 +346,27 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
         raise CheckpointError("lm_head is no longer tied to embed_tokens after placement on the device.")
     backend.sync()
     return model, time.perf_counter() - start
+
+
+def unload(model, backend: Backend) -> None:
+    """Give a model's memory back before the next load, and print device bytes before and after.
+
+    ``del model`` is not enough: compressed-tensors binds forwards onto modules (reference
+    cycles, freed only by a garbage collection), and a notebook's output history may hold the
+    model too. So every tensor moves to the meta device (no memory) first, wherever the model
+    is still referenced, then Python collects and the allocator hands its cache back."""
+    from compressed_tensors.offload import remove_dispatch
+
+    held = sum(row["bytes"] for row in memory_report(model))
+    before = backend.memory()
+    remove_dispatch(model)  # its offload cache would copy into the old tensors instead of letting go
+    model.to("meta")
+    gc.collect()
+    backend.empty_cache()
+    line = f"unloaded the model ({fmt_bytes(held)} of tensors)"
+    if before is not None:
+        line += f"; device memory in use {fmt_bytes(before['in_use'])} -> {fmt_bytes(backend.memory()['in_use'])}"
+    print(line)
 
 
 def _check_loading_info(info: dict) -> None:
@@ -445,7 +507,7 @@ def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, ne
     check (bf16 rounding differs between devices), one model on the device at a time."""
     reference = reference_model(checkpoint).to(backend.device)
     tokens = greedy_tokens(reference, ids, new_tokens)
-    del reference
+    unload(reference, backend)
     return tokens
 
 
@@ -480,5 +542,5 @@ def run_step(backend: Backend, results) -> list[dict]:
         if same != (dequantize or exact_unpack):
             raise AssertionError(f"{label}: same tokens as the dequantized reference: {same}")
         rows.append(record(results, backend, label, model, load_s, same_tokens=same))
-        del model
+        unload(model, backend)
     return rows

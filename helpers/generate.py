@@ -133,16 +133,23 @@ def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: 
     return saved[key]
 
 
+# Under defer-and-fuse every step of a first call is a new shape, so a whole-model compile:
+# 8 steps show it (32 would mean 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
+DEFER_AND_FUSE_TOKENS = 8
+
+
 def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: int) -> dict[str, dict]:
     """Per mode (eager, and defer-and-fuse where the backend has it): seconds per step of the
-    first call and of a second, identical call, and the device programs each step compiled."""
+    first call and of a second, identical call, and the device programs each step compiled.
+    Defer-and-fuse generates at most ``DEFER_AND_FUSE_TOKENS``."""
     calls = {}
     for mode in backend.modes:
         if mode == "compile":
             continue  # HF generate as such is not compiled here: notebook 04 compiles a decode step
+        length = min(new_tokens, DEFER_AND_FUSE_TOKENS) if mode == "defer_and_fuse" else new_tokens
         with backend.mode(mode):
-            tokens, first, _ = generate(model, tokenizer, ids, backend, new_tokens)
-            _, second, _ = generate(model, tokenizer, ids, backend, new_tokens)
+            tokens, first, _ = generate(model, tokenizer, ids, backend, length)
+            _, second, _ = generate(model, tokenizer, ids, backend, length)
         calls[mode] = {"tokens": tokens, "first": first.step_seconds, "second": second.step_seconds,
                        "programs_first": first.step_programs, "programs_second": second.step_programs}
     return calls

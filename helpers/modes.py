@@ -27,7 +27,7 @@ def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: i
     """Time ``op_stack`` in every mode the backend has, side by side in one run.
 
     Returns one row per mode: median/min/max ms per call, speed-up over eager, and the
-    device programs launched per call (where the backend counts them).
+    device programs launched per call (None where the backend cannot count that mode's).
     """
     x = _input(backend, size)
     rows = []
@@ -37,8 +37,9 @@ def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: i
         with backend.compile_counter() as count:
             out = fn(x)
         del out
+        executions = count.executions if backend.counts_executions(mode) else None
         rows.append({"mode": mode, "median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3,
-                     "max_ms": timing.max * 1e3, "executions_per_call": count.executions})
+                     "max_ms": timing.max * 1e3, "executions_per_call": executions})
     eager_ms = rows[0]["median_ms"]
     for row in rows:
         row["speedup_vs_eager"] = eager_ms / row["median_ms"]

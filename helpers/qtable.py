@@ -67,7 +67,9 @@ class QTable(torch.nn.Module):
         super().__init__()
         self.register_buffer("packed", packed)
         self.register_buffer("scales", scales)
-        self.embed_scale = embed_scale
+        # a device buffer, as Gemma 4's embedding keeps it: a host scalar made inside the
+        # compiled step would be a host-to-device copy per call
+        self.register_buffer("embed_scale", torch.tensor(embed_scale, device=packed.device), persistent=False)
         self.dtype = dtype
         self.embedding_dim = packed.shape[1] * 8
 
@@ -139,7 +141,7 @@ class QTable(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # as Gemma4TextScaledWordEmbedding rounds it: a float32 scalar cast to the table dtype
-        return self.rows(input_ids) * torch.tensor(self.embed_scale).to(self.dtype).to(self.packed.device)
+        return self.rows(input_ids) * self.embed_scale.to(self.dtype)
 
 
 class QHead(torch.nn.Module):

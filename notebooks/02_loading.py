@@ -1,11 +1,17 @@
 # ---
 # jupyter:
+#   accelerator: TPU
+#   colab:
+#     gpuType: V5E1
+#     provenance: []
 #   jupytext:
 #     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
 #     text_representation:
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -31,11 +37,21 @@
 # `HF_TOKEN` (or set the environment variable) after accepting the Gemma licence.
 
 # %%
+# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util, os, subprocess, sys
-if importlib.util.find_spec("helpers") is None:  # Colab: fetch the course, then its helpers
-    repo = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")
-    subprocess.run(["git", "clone", "-q", repo, "/content/course"], check=True)
-    sys.path.insert(0, "/content/course")
+COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
+COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
+COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
+if importlib.util.find_spec("helpers") is None:
+    if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
+        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        if fetch.returncode:
+            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+        print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
+    sys.path.insert(0, COURSE_DIR)
 import helpers
 helpers.install_missing()
 
@@ -134,7 +150,11 @@ assert not any(r["kind"] == "packed int4" for r in after_forward) and bf16(after
 results = helpers.Results()
 helpers.checkpoint.record(results, backend, "compressed (default)", model, load_s)
 default_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
-del model  # one model on the device at a time
+# One model on the device at a time. `del model` alone can leave it all held: compressed-tensors
+# binds forwards onto modules (reference cycles), so on a 16 GB v5e-1 the next load's preflight
+# would refuse. `unload` empties the model's tensors, collects, and prints the device bytes.
+helpers.checkpoint.unload(model, backend)
+del model
 
 # %% [markdown]
 # ## Path 2: `CompressedTensorsConfig(dequantize=True)`
@@ -151,6 +171,7 @@ print(report)
 assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0
 helpers.checkpoint.record(results, backend, "dequantize=True", model, load_s)
 dense_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
+helpers.checkpoint.unload(model, backend)
 del model
 
 # %%

@@ -66,8 +66,9 @@ def test_preflight_refuses_with_the_numbers_and_what_to_change():
 
 
 def test_missing_token_is_one_clear_line_before_any_download(monkeypatch):
-    monkeypatch.delenv("HF_TOKEN", raising=False)
     import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(ck.CheckpointError) as err:
         ck.load(ck.Checkpoint(ck.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
@@ -88,7 +89,73 @@ def test_licence_not_accepted_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(ck.CheckpointError) as err:
         ck.load(ck.Checkpoint(ck.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
-    assert "accept the Gemma licence" in _one_line(err)
+    assert "accept the Gemma licence at https://huggingface.co/google/" in _one_line(err)
+    assert "HELPERS_MODEL" in str(err.value)
+
+
+TPU = type("FakeTPU", (), {"name": "tpu"})()  # only its name is read by choose_checkpoint
+
+
+def test_a_token_stored_by_login_is_found(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    (tmp_path / "token").write_text("hf_from_login\n")  # where huggingface_hub.login() stores it
+    monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
+    assert ck.hf_token() == "hf_from_login"
+
+
+def _hub_down(monkeypatch, error):
+    import huggingface_hub
+
+    monkeypatch.delenv("HELPERS_MODEL", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    monkeypatch.setattr(huggingface_hub, "auth_check", lambda *a, **k: (_ for _ in ()).throw(error))
+
+
+@pytest.mark.parametrize("error", ["offline", "connect", "503"])
+def test_hub_unreachable_takes_the_twin_with_one_line_saying_why(monkeypatch, tmp_path, error):
+    import httpx2  # what huggingface_hub 2.x speaks HTTP with
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    request = httpx2.Request("GET", f"https://huggingface.co/api/models/{ck.REPO_ID}/auth-check")
+    errors = {"offline": OfflineModeIsEnabled("offline mode is enabled"),
+              "connect": httpx2.ConnectError("[Errno 111] Connection refused", request=request),
+              "503": HfHubHTTPError("503 Service Unavailable", response=httpx2.Response(503, request=request))}
+    _hub_down(monkeypatch, errors[error])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
+    chosen = ck.choose_checkpoint(TPU)
+    assert chosen.tiny and "the Hub is unreachable" in str(chosen) and "nothing is cached" in str(chosen)
+    assert "\n" not in str(chosen)
+
+
+def test_hub_unreachable_takes_the_cached_snapshot(monkeypatch, tmp_path):
+    import huggingface_hub
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    repo = tmp_path / "models--google--gemma-4-E2B-it-qat-w4a16-ct"  # the Hub cache's own layout
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd" * 5)
+    snapshot = repo / "snapshots" / ("0123abcd" * 5)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    _hub_down(monkeypatch, OfflineModeIsEnabled("offline mode is enabled"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    chosen = ck.choose_checkpoint(TPU)
+    assert not chosen.tiny and chosen.source == ck.REPO_ID and "cached snapshot" in chosen.reason
+    assert ck._local_folder(chosen) == snapshot
+
+
+def test_unload_leaves_no_tensor_behind_even_with_compressed_tensors_cycles(tiny, capsys):
+    model, _ = ck.load(tiny, helpers.get_backend("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        model(torch.tensor([[2, 5, 7]]))  # the first forward decompresses and wraps every module's forward
+    assert ck.compression_report(model)[0]["count"] > 0  # forwards bound onto modules: reference cycles
+    kept = model  # a second reference, as a notebook's output history may hold
+    ck.unload(model, helpers.get_backend("cpu"))
+    assert {r["device"] for r in ck.memory_report(kept)} == {"meta"}
+    assert "unloaded the model (" in capsys.readouterr().out
 
 
 def test_not_a_gemma_checkpoint_is_one_clear_line(tmp_path):

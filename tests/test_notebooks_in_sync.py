@@ -19,3 +19,8 @@ def test_ipynb_matches_its_py_percent_source(source):
     assert twin.exists(), f"{twin.name} missing: run jupytext --sync {source.name}"
     cells = lambda nb: [(c.cell_type, c.source) for c in nb.cells]
     assert cells(jupytext.read(twin)) == cells(jupytext.read(source)), f"run: jupytext --sync notebooks/{source.name}"
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_every_notebook_source_is_valid_python(source):
+    compile(source.read_text(), str(source), "exec")  # what python -m py_compile checks

@@ -54,6 +54,14 @@ def test_rows_equal_the_tables_bit_for_bit_for_edge_and_random_ids():
         assert torch.equal(module(ids), table(ids))
 
 
+def test_the_embed_scale_is_a_device_buffer_as_in_gemma4s_embedding():
+    module, _ = q.QTable.from_embedding(_grid_table())
+    assert dict(module.named_buffers())["embed_scale"].device == module.packed.device
+    assert "embed_scale" not in module.state_dict()  # not saved, as Gemma 4 keeps it
+    module.embed_scale.fill_(2.0)  # the forward reads the buffer, not a number kept aside
+    assert torch.equal(module(torch.tensor([[3]])), module.rows(torch.tensor([[3]])) * 2)
+
+
 def test_the_unpack_matches_compressed_tensors_own():
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 

@@ -1,0 +1,120 @@
+"""Where the course is published: the one place that names its repository and the branch the
+notebooks fetch. The README's Colab badges and every notebook's set-up cell are written from it.
+
+    python -m helpers.course           # rewrite badges and set-up cells (a fork does this once)
+    python -m helpers.course --check   # list where they disagree with this file; exit 1 if any
+
+At run time the set-up cell also takes ``COURSE_REPO`` (a URL or a local folder),
+``COURSE_REF`` and ``COURSE_DIR`` (default ``/content/course``) from the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+
+GITHUB = "OWNER/gemma4-on-tpu"  # owner/name on GitHub: a fork sets its own here
+REF = "main"  # the branch or tag the notebooks fetch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+README = ROOT / "README.md"
+_FIRST_LINE = "# Set up, the same cell in every notebook (written by helpers.course): fetch the course"
+_BADGE = re.compile(r"https://colab\.research\.google\.com/github/[^/\s]+/[^/\s]+/blob/[^/\s]+/(notebooks/[^)\s]+\.ipynb)")
+
+
+def repo_url() -> str:
+    return f"https://github.com/{GITHUB}"
+
+
+def setup_cell() -> str:
+    """The set-up cell's source. It runs before ``helpers`` exists, so it is plain Python:
+    clone the course unless ``helpers`` is importable (once: a rerun after a restart finds
+    the folder), never prompting for credentials, then install what the runtime lacks."""
+    repo, ref = repo_url(), REF
+    return f'''{_FIRST_LINE}
+# where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
+import importlib.util, os, subprocess, sys
+COURSE_REPO = os.environ.get("COURSE_REPO", "{repo}")  # a URL or a folder
+COURSE_REF = os.environ.get("COURSE_REF", "{ref}")  # the branch or tag these notebooks go with
+COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
+if importlib.util.find_spec("helpers") is None:
+    if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
+        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+                               capture_output=True, text=True, env={{**os.environ, "GIT_TERMINAL_PROMPT": "0"}})
+        if fetch.returncode:
+            raise SystemExit(f"could not fetch the course from {{COURSE_REPO}} ({{COURSE_REF}}): {{fetch.stderr.strip()}}\\n"
+                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+        print(f"fetched {{COURSE_REPO}} ({{COURSE_REF}}) into {{COURSE_DIR}}")
+    sys.path.insert(0, COURSE_DIR)
+import helpers
+helpers.install_missing()'''
+
+
+def badge_url(notebook: str) -> str:
+    """Colab's address for ``notebooks/<name>.ipynb`` of the published repository."""
+    return f"https://colab.research.google.com/github/{GITHUB}/blob/{REF}/notebooks/{notebook}"
+
+
+def _cells(text: str) -> list[str]:
+    return re.split(r"^# %%.*\n", text, flags=re.M)
+
+
+def notebook_setup_cell(source: str) -> str | None:
+    """The set-up cell of a py:percent notebook source, or None if it has none."""
+    for cell in _cells(source):
+        if cell.startswith(_FIRST_LINE):
+            return cell.strip("\n")
+    return None
+
+
+def mismatches() -> list[str]:
+    """Where the README's badges or a notebook's set-up cell (source and .ipynb) disagree with
+    this file; empty when all agree."""
+    import jupytext
+
+    found = []
+    for path in NOTEBOOKS:
+        if notebook_setup_cell(path.read_text()) != setup_cell():
+            found.append(f"{path.name}: set-up cell differs")
+        twin = jupytext.read(path.with_suffix(".ipynb"))
+        if setup_cell() not in [c.source for c in twin.cells if c.cell_type == "code"]:
+            found.append(f"{path.with_suffix('.ipynb').name}: set-up cell differs")
+    readme = README.read_text()
+    for url in _BADGE.finditer(readme):
+        if url.group(0) != badge_url(url.group(1).split("/", 1)[1]):
+            found.append(f"README.md: {url.group(0)}")
+    badged = {m.group(1) for m in _BADGE.finditer(readme)}
+    found += [f"README.md: no badge for {p.stem}" for p in NOTEBOOKS if f"notebooks/{p.stem}.ipynb" not in badged]
+    return found
+
+
+def write() -> None:
+    """Rewrite the README's badges and every notebook's set-up cell from this file, then sync
+    the .ipynb twins (jupytext)."""
+    import jupytext.cli
+
+    README.write_text(_BADGE.sub(lambda m: badge_url(m.group(1).split("/", 1)[1]), README.read_text()))
+    for path in NOTEBOOKS:
+        text, cell = path.read_text(), notebook_setup_cell(path.read_text())
+        if cell is None:
+            raise ValueError(f"{path.name} has no set-up cell (a code cell starting {_FIRST_LINE!r})")
+        path.write_text(text.replace(cell, setup_cell(), 1))
+        jupytext.cli.jupytext(["--sync", "--quiet", str(path)])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m helpers.course", description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only list disagreements; exit 1 if any")
+    if parser.parse_args(argv).check:
+        problems = mismatches()
+        print("\n".join(problems) or f"badges and set-up cells agree with {repo_url()} ({REF})")
+        sys.exit(1 if problems else 0)
+    write()
+    print(f"README badges and {len(NOTEBOOKS)} set-up cells written for {repo_url()} ({REF})")
+
+
+if __name__ == "__main__":
+    main()
