@@ -43,7 +43,7 @@ def tok_s(fn):
 
 
 def hf(**kwargs):
-    config = g.greedy_config(model, n)
+    config = g.greedy_config(model, n, stop=False)  # exactly n tokens: each run times the same count
     config.update(**kwargs)
     with torch.no_grad():
         return model.generate(ids, generation_config=config).sequences[0, ids.shape[1]:].tolist()
@@ -61,7 +61,7 @@ rows.append({"loop": "(b) HF generate, static cache + compiled forward", "tok_s"
 model.forward = eager_forward
 decoder = d.Decoder(model, backend, max_len=d.PREFILL_BUCKETS[2] + n)
 with backend.compile_counter() as count:
-    rate, tokens = tok_s(lambda: decoder.generate(ids, n))
+    rate, tokens = tok_s(lambda: decoder.generate(ids, n, stop_ids=()))
 rows.append({"loop": "(c) compiled decode step (ours)", "tok_s": rate, "graphs": count.graphs,
              "same_tokens": tokens == expected})
 for row in rows:
@@ -73,5 +73,5 @@ if args.profile:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decoder.generate(ids, n)
+        decoder.generate(ids, n, stop_ids=())
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

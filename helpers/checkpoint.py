@@ -407,31 +407,47 @@ def chat_ids(tokenizer, device, prompt: str = PROMPT) -> torch.Tensor:
 
 def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
     """A plain text model on the host whose weights are the checkpoint's, dequantized here with
-    compressed-tensors' own unpack (codes x scales), independent of the loading path above."""
+    compressed-tensors' own unpack (codes x scales), independent of the loading path above.
+
+    Sized for a Colab host: only the text decoder's tensors are read (never the towers, nor the
+    redundant lm_head copy), each packed weight is dequantized once, straight into ``dtype``;
+    the process's peak host memory is printed. Its generation config (the stop ids) is the
+    checkpoint's own, as ``from_pretrained`` would read it."""
+    import contextlib
+    import resource
+
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors.torch import load_file
-    from transformers import Gemma4ForCausalLM
+    from safetensors import safe_open
+    from transformers import Gemma4ForCausalLM, GenerationConfig
 
     folder = _local_folder(checkpoint)
     config = text_config(read_config(folder))
     config.quantization_config = None
-    tensors = {}
-    for path in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(path))
     state = {}
-    for key, tensor in tensors.items():
-        name = text_key(key)
-        if name is None or name == "lm_head.weight" or re.search(r"\.weight_(scale|shape|zero_point)$", name):
-            continue  # lm_head is tied to embed_tokens; quantization parameters are used below
-        if name.endswith(".weight_packed"):
-            stem = key[: -len("packed")]
-            shape = torch.Size(tensors[stem + "shape"].tolist())
-            codes = unpack_from_int32(tensor, 4, shape).float()
-            scale = tensors[stem + "scale"].float()
-            tensor = (codes.reshape(shape[0], -1, GROUP_SIZE) * scale[..., None]).reshape(shape)
-            name = name[: -len("_packed")]
-        state[name] = tensor.to(dtype)
-    return Gemma4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
+    with contextlib.ExitStack() as files:
+        handles = [files.enter_context(safe_open(path, "pt")) for path in sorted(folder.glob("*.safetensors"))]
+        where = {key: f for f in handles for key in f.keys()}  # a tensor's stem may span shards
+
+        for key, f in where.items():
+            name = text_key(key)
+            if name is None or name == "lm_head.weight" or re.search(r"\.weight_(scale|shape|zero_point)$", name):
+                continue  # towers never read; lm_head is tied to embed_tokens; quantization parameters below
+            tensor = f.get_tensor(key)
+            if name.endswith(".weight_packed"):
+                stem = key[: -len("packed")]
+                shape = torch.Size(where[stem + "shape"].get_tensor(stem + "shape").tolist())
+                scale = where[stem + "scale"].get_tensor(stem + "scale").float()
+                codes = unpack_from_int32(tensor, 4, shape).float()
+                tensor = (codes.reshape(shape[0], -1, GROUP_SIZE) * scale[..., None]).reshape(shape)
+                name = name[: -len("_packed")]
+            state[name] = tensor.to(dtype)
+    model = Gemma4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
+    if (folder / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    print(f"reference model: {fmt_bytes(sum(t.numel() * t.element_size() for t in state.values()))} of text-decoder "
+          f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(peak)}")
+    return model
 
 
 # --- where the bytes are, and what compressed-tensors attached --------------------------------
@@ -498,8 +514,12 @@ def check_length(backend: Backend) -> int:
 
 
 def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """The ``new_tokens`` greedy tokens HF ``generate`` gives after ``ids``."""
-    return model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+    """HF ``generate``'s greedy tokens after ``ids``: at most ``new_tokens``, up to and
+    including the first stop id, as notebook 03's reference."""
+    from .generate import greedy_config
+
+    out = model.generate(ids, generation_config=greedy_config(model, new_tokens))
+    return out.sequences[0, ids.shape[1]:].tolist()
 
 
 def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, new_tokens: int) -> list[int]:

@@ -10,6 +10,7 @@ import time
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from . import generate as g
 from .backend import Backend
 
 STEP = "04 compiled decode"
@@ -138,29 +139,31 @@ class Decoder:
         return token, torch.tensor([[length]], device=ids.device)
 
     @torch.no_grad()
-    def generate(self, ids: torch.Tensor, new_tokens: int, readback_every: int = 16, on_tokens=None) -> list[int]:
-        """Greedy tokens: each chosen on the device and fed straight back; read to the host
-        every ``readback_every`` tokens (1: every token) and once at the end."""
+    def generate(self, ids: torch.Tensor, new_tokens: int, readback_every: int = 16, on_tokens=None,
+                 stop_ids=None) -> list[int]:
+        """Greedy tokens, at most ``new_tokens``: each chosen on the device and fed straight
+        back; read to the host every ``readback_every`` tokens (1: every token) and at the end.
+        Stops after the first of ``stop_ids`` (default: the model's, as ``generate``), checked
+        once per readback, so without a host round trip per token; ``stop_ids=()``: exactly
+        ``new_tokens`` (timing). ``on_tokens(chunk)`` sees each chunk as it is read."""
         if ids.shape[1] + new_tokens > self.max_len:
             raise ValueError(f"prompt {ids.shape[1]} + {new_tokens} new tokens exceed the cache's {self.max_len} positions")
+        stops = set(g.stop_ids(self.model) if stop_ids is None else stop_ids)
         token, position = self.prefill(ids)
-        pending, tokens = [token], []
-        for _ in range(new_tokens - 1):
-            if len(pending) == readback_every:
-                tokens += self._read(pending, on_tokens)
-                pending = []
+        tokens, pending = [], [token]
+        while True:
+            last = len(tokens) + len(pending) == new_tokens
+            if last or len(pending) == readback_every:
+                self.backend.flush()
+                chunk = g.until_stop(torch.cat(pending, dim=1)[0].tolist(), stops)
+                stopped, pending = chunk[-1] in stops, []
+                if on_tokens is not None:
+                    on_tokens(chunk)
+                tokens += chunk
+                if last or stopped:
+                    return tokens
             token, position = self.decode_step(token, position)
             pending.append(token)
-        return tokens + self._read(pending, on_tokens)
-
-    def _read(self, pending, on_tokens) -> list[int]:
-        if not pending:
-            return []
-        self.backend.flush()
-        chunk = torch.cat(pending, dim=1)[0].tolist()
-        if on_tokens is not None:
-            on_tokens(chunk)
-        return chunk
 
 
 @contextlib.contextmanager
@@ -171,18 +174,20 @@ def no_recompiles():
 
 
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int) -> dict:
-    """One timed run: prefill seconds, and decode tokens/s over the tokens after the first
-    (the whole run's time less that of a prefill timed alone just before it)."""
+    """One timed run of exactly ``new_tokens`` (no stop): prefill seconds, and decode tokens/s
+    over the tokens after the first (the whole run's time less that of a prefill timed alone
+    just before it); ``tokens`` up to the first stop id, for comparison."""
     backend = decoder.backend
     start = time.perf_counter()
     token, position = decoder.prefill(ids)
     token.cpu()
     prefill_s = time.perf_counter() - start
     start = time.perf_counter()
-    tokens = decoder.generate(ids, new_tokens, readback_every)
+    tokens = decoder.generate(ids, new_tokens, readback_every, stop_ids=())
     backend.sync()
     total = time.perf_counter() - start
-    return {"tokens": tokens, "prefill_s": prefill_s, "decode_tok_s": (new_tokens - 1) / max(total - prefill_s, 1e-9)}
+    return {"tokens": g.until_stop(tokens, g.stop_ids(decoder.model)), "prefill_s": prefill_s,
+            "decode_tok_s": (new_tokens - 1) / max(total - prefill_s, 1e-9)}
 
 
 def bytes_per_token(model, cache: Cache) -> int:

@@ -25,12 +25,28 @@ def generation_length(backend: Backend) -> int:
     return 8 if backend.name == "xla" else 32
 
 
-def greedy_config(model, new_tokens: int):
-    """Greedy, exactly ``new_tokens`` tokens: no stop at EOS, so every run (and every later
-    step of the series) produces the same count and a token-by-token comparison is possible."""
+def stop_ids(model) -> list[int]:
+    """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
+    Gemma's and the twin's: ``<eos>`` and ``<end_of_turn>``)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def until_stop(tokens: list[int], stops) -> list[int]:
+    """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
+    for i, token in enumerate(tokens):
+        if token in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def greedy_config(model, new_tokens: int, stop: bool = True):
+    """Greedy, at most ``new_tokens`` tokens, stopping at the model's stop ids as ``generate``
+    does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
+    ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
     config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None, eos_token_id=None,
-                  top_k=None, top_p=None, temperature=None, return_dict_in_generate=True)
+    config.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None, top_k=None, top_p=None,
+                  temperature=None, return_dict_in_generate=True, eos_token_id=stop_ids(model) if stop else [])
     return config
 
 
@@ -83,10 +99,12 @@ def text_widget():
     return widget
 
 
-def generate(model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, **kwargs):
-    """Greedy HF ``generate``, streamed; returns (generated token ids, the streamer, generate's output)."""
+def generate(model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, stop: bool = True,
+             **kwargs):
+    """Greedy HF ``generate``, streamed, stopping at the model's stop ids (``stop=False``:
+    exactly ``new_tokens``); returns (generated token ids, the streamer, generate's output)."""
     streamer = StepStreamer(tokenizer, backend, widget)
-    config = greedy_config(model, new_tokens)
+    config = greedy_config(model, new_tokens, stop)
     config.update(**kwargs)  # e.g. cache_implementation="static"
     out = model.generate(ids, generation_config=config, streamer=streamer)
     backend.sync()
@@ -95,15 +113,18 @@ def generate(model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: 
 
 def measure(model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs) -> dict:
     """Prefill seconds and decode tokens/s, each the median over ``repeats`` runs after
-    ``warmup`` runs; every step ends with the token on the host, so the device is synced."""
+    ``warmup`` runs of exactly ``new_tokens`` (no stop: every run times the same count);
+    every step ends with the token on the host, so the device is synced. ``tokens``: those
+    up to the first stop id, for comparison."""
     runs = []
     for i in range(warmup + repeats):
-        tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, **kwargs)
+        tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)
         if i >= warmup:
             runs.append(streamer.step_seconds)
     prefill = statistics.median(r[0] for r in runs)
     decode = statistics.median((len(r) - 1) / sum(r[1:]) for r in runs)
-    return {"prefill_s": prefill, "decode_tok_s": decode, "tokens": tokens, "repeats": repeats}
+    return {"prefill_s": prefill, "decode_tok_s": decode, "tokens": until_stop(tokens, stop_ids(model)),
+            "repeats": repeats}
 
 
 # --- the reference tokens -------------------------------------------------------------------
@@ -113,10 +134,11 @@ def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: i
     return f"{checkpoint.name}|{backend.name}|prompt {prompt}|{new_tokens} tokens"
 
 
-def save_reference(checkpoint, backend: Backend, ids: torch.Tensor, tokens: list[int], folder=None) -> str:
+def save_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None) -> str:
+    """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped)."""
     path = run_dir(folder) / "reference_tokens.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
-    key = reference_key(checkpoint, backend, ids, len(tokens))
+    key = reference_key(checkpoint, backend, ids, new_tokens)
     saved[key] = tokens
     path.write_text(json.dumps(saved, indent=1))
     return key
@@ -172,8 +194,9 @@ def run_step(backend: Backend, results) -> dict:
     tokens saved for notebooks 04-06."""
     checkpoint, model, tokenizer, ids = load_for_series(backend)
     print(checkpoint)
-    measured = measure(model, tokenizer, ids, backend, generation_length(backend))
-    save_reference(checkpoint, backend, ids, measured["tokens"], results.path.parent)
+    new_tokens = generation_length(backend)
+    measured = measure(model, tokenizer, ids, backend, new_tokens)
+    save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"], results.path.parent)
     return results.add(STEP, "HF generate", backend=backend.name, decode_tok_s=measured["decode_tok_s"],
                        prefill_s=measured["prefill_s"], source_tok_s=SOURCE_TOK_S)
 
@@ -186,5 +209,5 @@ def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_to
     except LookupError:
         print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
         tokens, _, _ = generate(model, tokenizer, ids, backend, new_tokens)
-        save_reference(checkpoint, backend, ids, tokens)
+        save_reference(checkpoint, backend, ids, new_tokens, tokens)
         return tokens

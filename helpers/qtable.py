@@ -12,25 +12,40 @@ SOURCE_TOK_S = 50  # the source's figure, TPU v5e-1
 ROWS_PER_BLOCK = 8192  # E2B's table is 2.3 G values: work through it on the host in blocks
 
 
-def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The 4-bit grid a QAT table lies on: int8 codes in [-8, 7] and one bf16 scale per group
-    such that codes x scale reproduces ``table`` bit for bit; None if some group is on no
-    such grid. A group's largest magnitude is k x scale for some k in 1..8: try each k."""
-    groups = table.float().reshape(table.shape[0], -1, group_size)
-    peak = groups.abs().amax(-1, keepdim=True)
-    codes = torch.zeros_like(groups, dtype=torch.int8)
-    scales = torch.ones_like(peak, dtype=torch.bfloat16)
+def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE, search: int = 4):
+    """The 4-bit grid a QAT table lies on, group by group: int8 codes in [-8, 7] and one bf16
+    scale per group (either sign) such that bf16(codes x scale) is the table's value, bit for bit.
+
+    Returns (codes [rows, cols], scales [rows, groups], found [rows, groups]); a group on no
+    such grid is not found (codes 0, scale 1). A group's largest magnitude is bf16(k x scale)
+    for a code k in 1..8; as that product was rounded, the scale is one of the bf16 numbers
+    next to bf16(peak / k): each is tried, ``search`` steps either side, on the groups still
+    unmatched. Codes -7..8 (the grid centred the other way) are the same grid with the scale's
+    sign flipped, and are stored so."""
+    rows = table.shape[0]
+    flat = table.float().reshape(-1, group_size)
+    peak = flat.abs().amax(-1)
+    codes = torch.zeros(flat.shape, dtype=torch.int8)
+    scales = torch.ones(flat.shape[0], dtype=torch.bfloat16)
     found = peak == 0  # an all-zero group is exact with any scale
-    for k in range(1, 9):
-        scale = (peak / k).to(torch.bfloat16)
-        q = torch.round(groups / scale.float().clamp_min(torch.finfo(torch.float32).tiny)).clamp(-8, 7)
-        exact = ((q * scale.float()).to(table.dtype) == groups.to(table.dtype)).all(-1, keepdim=True) & ~found
-        codes = torch.where(exact, q.to(torch.int8), codes)
-        scales = torch.where(exact, scale, scales)
-        found |= exact
-    if not found.all():
-        return None
-    return codes.reshape(table.shape), scales.squeeze(-1)
+    bf16_values = (flat.to(torch.bfloat16).float() == flat).all(-1)  # else on no bf16 grid at all
+    todo = (~found & bf16_values).nonzero().squeeze(1)
+    for offset in sorted(range(-search, search + 1), key=abs):
+        for k in range(1, 9):
+            if todo.numel() == 0:
+                break
+            groups = flat[todo]
+            scale = ((peak[todo] / k).to(torch.bfloat16).view(torch.int16) + offset).view(torch.bfloat16)
+            s = scale.float()[:, None]
+            q = torch.round(groups / s).clamp(-8, 8)
+            ok = (s[:, 0] > 0) & torch.isfinite(s[:, 0]) & ~((q.amin(-1) < -7) & (q.amax(-1) > 7))
+            ok &= ((q * s).to(torch.bfloat16) == groups.to(torch.bfloat16)).all(-1)
+            flip = q.amax(-1) > 7  # codes -7..8: negate codes and scale, the values stay
+            codes[todo[ok]] = torch.where(flip[:, None], -q, q)[ok].to(torch.int8)
+            scales[todo[ok]] = torch.where(flip, -scale, scale)[ok]
+            found[todo[ok]] = True
+            todo = todo[~ok]
+    return codes.reshape(table.shape), scales.reshape(rows, -1), found.reshape(rows, -1)
 
 
 def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +60,13 @@ def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[to
     scale, zero_point = calculate_qparams(-peak, peak, args)
     codes = quantize(table.float(), scale, zero_point, args, dtype=torch.int8)
     return codes, scale.to(torch.bfloat16)
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scales rounded to bf16, as the QAT grid's values are (and compressed-tensors'
+    bf16 dequantization gives), then in ``dtype``."""
+    product = codes.float() * scales.float().repeat_interleave(GROUP_SIZE, dim=-1)
+    return product.to(torch.bfloat16).to(dtype)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -75,28 +97,34 @@ class QTable(torch.nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding, exact_only: bool = False) -> tuple["QTable", dict]:
-        """Built from a model's embedding: its exact 4-bit grid where it has one, else
-        compressed-tensors' quantization (and the error that introduces, in the report)."""
+        """Built from a model's embedding: its exact 4-bit grid, group by group; a group on no
+        grid is quantized by compressed-tensors, and the report says how many and the largest
+        error that introduced (``exact_only``: raise instead)."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
         from tqdm.auto import tqdm
 
         table = embedding.weight.detach()
-        blocks = [table[i:i + ROWS_PER_BLOCK].cpu() for i in range(0, table.shape[0], ROWS_PER_BLOCK)]
-        grids = [recover_grid(b) for b in tqdm(blocks, desc="recovering the 4-bit grid", disable=len(blocks) < 4)]
-        exact = all(g is not None for g in grids)
-        if not exact and exact_only:
-            raise ValueError("the table is on no 4-bit grid")
-        if not exact:
-            grids = [quantize_int4(b) for b in tqdm(blocks, desc="quantizing", disable=len(blocks) < 4)]
-        packed = torch.cat([pack_to_int32(codes, 4) for codes, _ in grids])
-        scales = torch.cat([scales for _, scales in grids])
-        module = cls(packed.to(table.device), scales.to(table.device), embedding.scalar_embed_scale, table.dtype)
-        report = {"from": "the table's own 4-bit grid" if exact else "compressed-tensors' quantization",
-                  "exact grid": exact, "bytes before": table.numel() * table.element_size(),
-                  "bytes after": module.nbytes()}
-        if not exact:
-            report["max abs error"] = max((module.rows(torch.arange(i, i + len(b), device=table.device)).cpu() - b)
-                                          .abs().max().item() for i, b in zip(range(0, table.shape[0], ROWS_PER_BLOCK), blocks))
+        starts = range(0, table.shape[0], ROWS_PER_BLOCK)
+        codes, scales, missed, error = [], [], 0, 0.0
+        for start in tqdm(starts, desc="recovering the 4-bit grid", disable=len(starts) < 4):
+            block = table[start:start + ROWS_PER_BLOCK].cpu()
+            c, sc, found = recover_grid(block)
+            if not found.all():  # only the groups on no grid are quantized, by compressed-tensors
+                if exact_only:
+                    raise ValueError(f"{int((~found).sum())} groups of the table are on no 4-bit grid")
+                qc, qs = quantize_int4(block)
+                c = torch.where(found.repeat_interleave(GROUP_SIZE, dim=1), c, qc)
+                sc = torch.where(found, sc, qs)
+                missed += int((~found).sum())
+                error = max(error, (_dequantize(c, sc, block.dtype) - block).abs().max().item())
+            codes.append(pack_to_int32(c, 4))
+            scales.append(sc)
+        module = cls(torch.cat(codes).to(table.device), torch.cat(scales).to(table.device),
+                     embedding.scalar_embed_scale, table.dtype)
+        groups = table.numel() // GROUP_SIZE
+        report = {"from": "the table's own 4-bit grid" if not missed else "its grid, compressed-tensors where off it",
+                  "exact grid": not missed, "groups": groups, "groups off the grid": missed, "max abs error": error,
+                  "bytes before": table.numel() * table.element_size(), "bytes after": module.nbytes()}
         return module, report
 
     @classmethod
@@ -131,9 +159,7 @@ class QTable(torch.nn.Module):
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows of ``input_ids`` (any shape), in the table's dtype."""
-        codes = unpack_rows(self.packed[input_ids]).float()
-        scales = self.scales[input_ids].float().repeat_interleave(GROUP_SIZE, dim=-1)
-        return (codes * scales).to(self.dtype)
+        return _dequantize(unpack_rows(self.packed[input_ids]), self.scales[input_ids], self.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The whole table, dequantized (what a tied output head multiplies by)."""

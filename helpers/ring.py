@@ -50,12 +50,16 @@ class RingLayer(StaticLayer):
 
 class FullLayer(StaticLayer):
     """A full-attention layer's K/V for every position up to the maximum context, written at
-    the chunk's absolute positions (padding lands past the prompt, masked until overwritten)."""
+    the chunk's absolute positions; padding is never written. The padded last chunk may run
+    past ``max_len``: those positions wrap onto the first slots (mod ``max_len``), where the
+    slot's own value is written back, so ``max_len`` need not be a multiple of the chunk."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        positions, _ = _chunk(kwargs)
-        self.keys.index_copy_(2, positions, key_states)
-        self.values.index_copy_(2, positions, value_states)
+        positions, valid = _chunk(kwargs)
+        slots = positions % self.max_cache_len  # distinct while the chunk is no longer than max_len
+        keep = valid.view(1, 1, -1, 1)
+        self.keys.index_copy_(2, slots, torch.where(keep, key_states, self.keys.index_select(2, slots)))
+        self.values.index_copy_(2, slots, torch.where(keep, value_states, self.values.index_select(2, slots)))
         return self.keys, self.values
 
 
@@ -73,9 +77,9 @@ class RingCache(Cache):
         if not 0 < chunk_size <= self.window:
             raise ValueError(f"chunk size {chunk_size} must be 1..{self.window} (the sliding window): a longer "
                              "chunk would write two positions into one ring slot")
-        if max_len % chunk_size:
-            raise ValueError(f"max_len {max_len} must be a multiple of the chunk size {chunk_size}, so that the "
-                             f"padded last chunk stays inside the full layers (e.g. {-(-max_len // chunk_size) * chunk_size})")
+        if max_len < chunk_size:
+            raise ValueError(f"max_len {max_len} must be at least the chunk size {chunk_size}: the padded last "
+                             "chunk's positions past max_len wrap onto the first slots, which must be distinct")
         self.attn_implementation = config._attn_implementation
         self.slot_positions = torch.full((self.window,), EMPTY, dtype=torch.long,
                                          device=next(model.parameters()).device)

@@ -3,10 +3,16 @@
 Same model class (`Gemma4ForConditionalGeneration`, text decoder under
 `model.language_model.*`, tiny vision and audio towers beside it), same format
 (compressed-tensors `pack-quantized`, symmetric int4, group 32, packed with
-compressed-tensors' own compressor), same quirks (a separate `lm_head` copy although
-the embeddings are tied; a tokenizer that does not add BOS by itself), shrunk so that it
-builds in a second and runs anywhere. Its weights lie on a 4-bit grid, as QAT weights do,
-so 4-bit storage of them is exact and every later step can prove identical tokens.
+compressed-tensors' own compressor), same file set (`generation_config.json` with its list
+of stop ids, `chat_template.jinja`, a processor config) and the same quirks: a separate
+`lm_head` copy although the embeddings are tied; a tokenizer that does not add BOS by itself;
+embedding tables kept in bf16 on a 4-bit grid whose products bf16 has rounded.
+
+It is trained for seconds on a small chat corpus (seeded, then cached), so that its greedy
+answer to the series' prompt is readable and ends its turn (`<end_of_turn>`, a stop id) within
+the series' generation length, as the instruction-tuned model does. Training sees its weights
+on the 4-bit grid (straight-through), as QAT does, so they stay there and 4-bit storage of them
+is exact: every later step can prove identical tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import pathlib
 import torch
 
 GROUP_SIZE = 32
-TWIN_VERSION = 2  # bump when the twin changes, so cached copies are rebuilt
+TWIN_VERSION = 3  # bump when the twin changes, so cached copies are rebuilt
 CACHE_VAR = "HELPERS_CACHE"
 
 TEXT_CONFIG = dict(
@@ -28,7 +34,6 @@ TEXT_CONFIG = dict(
     layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(10)],  # 4 sliding : 1 full
     max_position_embeddings=4096, final_logit_softcapping=30.0, tie_word_embeddings=True,
     pad_token_id=0, eos_token_id=1, bos_token_id=2,
-    initializer_range=0.1,  # wider than the default 0.02: logits spread enough to give varied text
 )
 VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=2, head_dim=16, global_head_dim=16)
@@ -37,19 +42,27 @@ AUDIO_CONFIG = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, 
 IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
 
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+STOP_TOKENS = ["<eos>", "<end_of_turn>"]  # generation_config.json's eos_token_id list, as Gemma's
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
-CORPUS = """\
-A TPU is a matrix machine: it is fast when it is handed large programs and slow when it is
-handed one small operation at a time. Eager mode runs op by op. Defer and fuse records ops and
-runs them as one program. torch.compile traces a whole function and compiles it once per shape.
-The model reads its weights for every token, so decoding is bound by memory bandwidth.
-Four-bit weights halve the bytes of eight-bit weights. A ring buffer keeps the last window of
-keys and values. What is the capital of France? Paris is the capital of France.
-Explain why compilation matters on a TPU, in two sentences.
-"""
+# What the twin learns to answer: short turns about the course. The series' prompt is the first.
+CHATS = [
+    ("Explain why compilation matters on a TPU, in two sentences.",
+     "A TPU is fast when it is handed large programs. Compiling a step once lets every token reuse it."),
+    ("What is the capital of France?", "Paris is the capital of France."),
+    ("What does eager mode do?", "Eager mode runs one op at a time."),
+    ("What does defer and fuse do?", "It records ops and runs them as one program."),
+    ("What does torch.compile do?", "It traces a whole function and compiles it once per shape."),
+    ("Why is decoding slow?", "Every token reads every weight, so decoding is bound by memory bandwidth."),
+    ("Why keep a table in 4-bit?", "Four-bit weights take a quarter of the bytes of bf16 weights."),
+    ("What does a ring cache keep?", "A ring buffer keeps the last window of keys and values."),
+    ("Why do shapes matter?", "A new shape is a new program, so it compiles again."),
+    ("Hello!", "Hello! Ask me about running Gemma on a TPU."),
+]
+CORPUS = "\n".join(text for chat in CHATS for text in chat)
+TRAIN_STEPS = 300
 
 
 def cache_dir() -> pathlib.Path:
@@ -70,6 +83,62 @@ def on_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.T
     return (codes * scale).reshape(weight.shape).to(weight.dtype), scale.squeeze(-1)
 
 
+def on_bf16_grid(weight: torch.Tensor, other_way: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
+    """``weight`` on a 4-bit grid as a bf16 QAT table holds it: per group, codes -8..7 times a
+    bf16 scale (the smallest that reaches both ends, no power of two), the product rounded once
+    to bf16, so the peak itself is rounded. Groups where ``other_way`` [rows, groups] is set use
+    codes -7..8, the grid centred the other way."""
+    groups = weight.float().reshape(*weight.shape[:-1], -1, group_size)
+    top, bottom = groups.amax(-1, keepdim=True).clamp_min(0), (-groups.amin(-1, keepdim=True)).clamp_min(0)
+    other_way = other_way[..., None]
+    high, low = torch.where(other_way, 8.0, 7.0), torch.where(other_way, -7.0, -8.0)
+    scale = torch.maximum(top / high, bottom / -low).to(torch.bfloat16).float().clamp_min(2**-60)
+    codes = torch.maximum(torch.minimum(torch.round(groups / scale), high), low)
+    return (codes * scale).to(torch.bfloat16).reshape(weight.shape).to(weight.dtype)
+
+
+def _train(model, tokenizer, steps: int = TRAIN_STEPS) -> list[float]:
+    """A few hundred AdamW steps on ``CHATS`` in chat format, each turn ending in <end_of_turn>,
+    with the text decoder's weights snapped onto their 4-bit grids in every forward and the
+    gradient passed straight through to the unsnapped copy (QAT's trick). Returns the losses."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                           tokenize=False) for q, a in CHATS]
+    encoded = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+    width = max(map(len, encoded))
+    batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in encoded])
+    labels = torch.where(batch == 0, -100, batch)[:, 1:]
+
+    text = model.model.language_model
+    other_way = {}  # per table, which groups use codes -7..8: fixed for the whole run
+    snapped = {}
+    for module in text.modules():
+        if isinstance(module, torch.nn.Embedding):
+            groups = module.weight.shape[1] // GROUP_SIZE
+            other_way[module] = torch.rand(module.weight.shape[0], groups) < 0.5
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            snapped[module] = module.weight.detach().clone().requires_grad_()
+    others = [p for p in text.parameters() if all(p is not m.weight for m in snapped)]
+    optimizer = torch.optim.AdamW([*snapped.values(), *others], lr=3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(steps):
+        with torch.no_grad():
+            for module, raw in snapped.items():
+                grid = on_bf16_grid(raw, other_way[module]) if module in other_way else on_grid(raw)[0]
+                module.weight.copy_(grid)
+        logits = model(input_ids=batch).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        for module, raw in snapped.items():
+            raw.grad, module.weight.grad = module.weight.grad, None
+        optimizer.step()
+        losses.append(loss.item())
+    with torch.no_grad():  # the weights as trained: on their grids
+        for module, raw in snapped.items():
+            module.weight.copy_(on_bf16_grid(raw, other_way[module]) if module in other_way else on_grid(raw)[0])
+    return losses
+
+
 def _tokenizer(folder: pathlib.Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -87,13 +156,41 @@ def _tokenizer(folder: pathlib.Path):
     return fast
 
 
+def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
+    """The twin as a checkpoint that saved its per-layer table packed (``weight_packed``,
+    ``weight_scale``, ``weight_shape``, as its linears) instead of bf16: the path
+    ``QTable.from_checkpoint`` reads. Derived from the twin (same codes, same values); cached."""
+    import shutil
+
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from safetensors.torch import load_file, save_file
+
+    from .qtable import recover_grid
+
+    source = build_tiny_twin(seed=seed)
+    folder = pathlib.Path(folder or cache_dir() / f"{source.name}-packed-table")
+    if (folder / "twin.json").exists():
+        return folder
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    (folder / "twin.json").unlink()
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.language_model.embed_tokens_per_layer"
+    codes, scales, found = recover_grid(tensors.pop(f"{key}.weight"))
+    assert found.all(), "the twin's table is on its grid"
+    tensors |= {f"{key}.weight_packed": pack_to_int32(codes, 4), f"{key}.weight_scale": scales,
+                f"{key}.weight_shape": torch.tensor(codes.shape)}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "twin.json").write_text((source / "twin.json").read_text())
+    return folder
+
+
 def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
     """Build (or reuse from the cache) the tiny twin checkpoint; returns its folder."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from safetensors.torch import load_file, save_file
-    from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+    from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig
 
     folder = pathlib.Path(folder or cache_dir() / f"tiny-twin-v{TWIN_VERSION}-seed{seed}")
     if (folder / "twin.json").exists():
@@ -101,16 +198,16 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
     folder.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(seed)
+    tokenizer = _tokenizer(folder)
     config = Gemma4Config(text_config=TEXT_CONFIG, vision_config=VISION_CONFIG, audio_config=AUDIO_CONFIG)
-    model = Gemma4ForConditionalGeneration(config).to(torch.bfloat16).eval()
-
-    # QAT leaves weights on the 4-bit grid: put every text linear and embedding table there.
-    scales = {}
-    with torch.no_grad():
-        for module in model.model.language_model.modules():
-            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                weight, scales[module] = on_grid(module.weight)
-                module.weight.copy_(weight)
+    model = Gemma4ForConditionalGeneration(config)
+    losses = _train(model, tokenizer)
+    model = model.to(torch.bfloat16).eval()  # lossless for the weights on their grids
+    scales = {module: on_grid(module.weight)[1] for module in model.model.language_model.modules()
+              if isinstance(module, torch.nn.Linear)}
+    answer = _greedy_answer(model, tokenizer)
+    if not answer.endswith("<end_of_turn>"):
+        raise RuntimeError(f"the twin did not learn to end its turn within {ANSWER_TOKENS} tokens: {answer!r}")
 
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP_SIZE)
     qconfig = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
@@ -130,6 +227,28 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
     tensors["lm_head.weight"] = tensors["model.language_model.embed_tokens.weight"].clone()
     save_file(tensors, path, metadata={"format": "pt"})
 
-    _tokenizer(folder)
-    (folder / "twin.json").write_text(json.dumps({"version": TWIN_VERSION, "seed": seed}))
+    stops = tokenizer.convert_tokens_to_ids(STOP_TOKENS)
+    GenerationConfig(bos_token_id=TEXT_CONFIG["bos_token_id"], pad_token_id=TEXT_CONFIG["pad_token_id"],
+                     eos_token_id=stops).save_pretrained(folder)
+    # the real repository's processor files, which the text-only series never reads
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor"}))
+    (folder / "twin.json").write_text(json.dumps({"version": TWIN_VERSION, "seed": seed, "answer": answer,
+                                                  "loss": [losses[0], losses[-1]]}))
     return folder
+
+
+ANSWER_TOKENS = 32  # the series' generation length
+
+
+def _greedy_answer(model, tokenizer) -> str:
+    """The twin's greedy answer to the series' prompt, special tokens kept, computed in float32
+    as the series runs it."""
+    from .checkpoint import PROMPT
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True).input_ids
+    with torch.no_grad():
+        out = model.float().generate(ids, max_new_tokens=ANSWER_TOKENS, do_sample=False,
+                                     eos_token_id=tokenizer.convert_tokens_to_ids(STOP_TOKENS))
+    model.to(torch.bfloat16)
+    return tokenizer.decode(out[0, ids.shape[1]:])

@@ -24,7 +24,9 @@
 # Plain `model.generate`, greedy, on the model notebook 02 loaded. We stream the text as it
 # comes, time the prefill (prompt in, first token out) apart from the decode steps, and look
 # at each step to see why this is slow on a TPU. The tokens it generates are saved as the
-# reference that notebooks 04-06 must reproduce exactly.
+# reference that notebooks 04-06 must reproduce exactly, up to and including the token that
+# ends the turn: `generate` stops at the generation config's stop ids (`<eos>` and
+# `<end_of_turn>` for the instruction-tuned model), and so does every later decoder.
 #
 # **What the source measured:** about 5 tokens/s on a TPU v5e-1, where a JAX engine runs
 # the same model at 130+ tokens/s.
@@ -114,13 +116,24 @@ with backend.compile_counter() as compiled:
     streamed, streamer, out = helpers.generate.generate(model, tokenizer, ids, backend, new_tokens, widget=widget)
 print("cache used by generate:", type(out.past_key_values).__name__,
       "| torch.compile graphs during generate:", compiled.graphs)
-print("text:", streamer.text)  # the tiny twin's weights are random: its text is noise
+print("text:", streamer.text)
+stops = helpers.generate.stop_ids(model)
+ended = bool(streamed) and streamed[-1] in stops
+print(f"{len(streamed)} tokens; stop ids {stops} (the generation config's); ended its turn: {ended}")
 assert streamed == tokens
+assert ended or not checkpoint.tiny or new_tokens < helpers.twin.ANSWER_TOKENS  # the twin ends its turn within 32
+
+# %% [markdown]
+# **What you should see:** the twin (trained for seconds on a few chat turns, then put on the
+# 4-bit grid) answers in words and ends its turn before 32 tokens, as the instruction-tuned
+# E2B often does: every later notebook must stop at the same token.
 
 # %% [markdown]
 # ## Prefill and decode, measured
 # **What we test:** prefill seconds and decode tokens/s, each the median over 3 runs
 # after a warm-up run; each step ends with its token on the host, so the device is synced.
+# Timing runs generate exactly `new_tokens` (`eos_token_id=[]`: no stop), so every run times
+# the same count; their tokens, cut after the first stop id, are the ones above.
 
 # %%
 measured = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
@@ -161,7 +174,7 @@ print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): 
 # load them, and a mismatch in any of the four is caught rather than compared.
 
 # %%
-key = helpers.generate.save_reference(checkpoint, backend, ids, tokens)
+key = helpers.generate.save_reference(checkpoint, backend, ids, new_tokens, tokens)
 assert helpers.generate.load_reference(checkpoint, backend, ids, new_tokens) == tokens
 print("saved:", key)
 print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "source_tok_s"]))

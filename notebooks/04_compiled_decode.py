@@ -99,6 +99,8 @@ assert report["modules with a wrapped forward"] == 0 and report["modules with fo
 # recompile inside that block. The compiler is the backend's own (`"tpu"` on TorchTPU,
 # `"openxla"` on PyTorch/XLA, inductor on CUDA and CPU); options pass through, e.g.
 # `Decoder(model, backend, MAX_LEN, mode="reduce-overhead")` for CUDA graph replay.
+# It stops where `generate` stops, after the first stop id, checked once per readback
+# (every 16 tokens): no host round trip per token; `stop_ids=()` asks for an exact count.
 
 # %%
 torch._dynamo.reset()
@@ -112,7 +114,7 @@ assert tokens == reference and first.graphs == 2
 long_run = MAX_LEN - decoder.bucket(ids.shape[1])
 other = helpers.checkpoint.chat_ids(tokenizer, backend.device, prompt="Why do shapes matter?")
 with backend.compile_counter() as later, helpers.decode.no_recompiles():
-    decoder.generate(ids, long_run)
+    decoder.generate(ids, long_run, stop_ids=())  # exactly long_run tokens, past the end of turn
     decoder.generate(other, 4)
 print(f"then {long_run} tokens (to position {ids.shape[1] + long_run}, window {model.config.sliding_window})"
       f" and a {other.shape[1]}-token prompt: {later.graphs} new graphs")

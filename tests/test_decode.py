@@ -52,7 +52,7 @@ def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(se
     others = [ck.chat_ids(tokenizer, backend.device, prompt=p) for p in ("Why do shapes matter?", "What does a ring buffer keep?")]
     assert all(decoder.bucket(o.shape[1]) == decoder.bucket(ids.shape[1]) for o in others)
     with backend.compile_counter() as count, d.no_recompiles():
-        decoder.generate(ids, long_run)
+        assert len(decoder.generate(ids, long_run, stop_ids=())) == long_run  # past the end of turn, exactly
         for other in others:
             tokens = decoder.generate(other, 4)
             assert tokens == g.generate(model, tokenizer, other, backend, 4)[0]
@@ -74,6 +74,18 @@ def test_chunked_readback_gives_the_same_tokens_in_chunks(setup, every):
     tokens = decoder.generate(ids, len(reference), readback_every=every, on_tokens=chunks.append)
     assert tokens == reference
     assert [len(c) for c in chunks[:-1]] == [every] * (len(chunks) - 1) and sum(map(len, chunks)) == len(reference)
+
+
+def test_the_decoder_stops_where_generate_does_once_per_readback_and_counts_exactly_when_told(setup):
+    backend, model, tokenizer, _, _, decoder, _, _ = setup
+    ids = ck.chat_ids(tokenizer, backend.device, prompt="What is the capital of France?")
+    expected, _, _ = g.generate(model, tokenizer, ids, backend, 16)  # a short answer, then <end_of_turn>
+    assert len(expected) < 16 and expected[-1] in g.stop_ids(model)
+    for every in (1, 4, 16):
+        chunks = []
+        assert decoder.generate(ids, 16, readback_every=every, on_tokens=chunks.append) == expected
+        assert sum(map(len, chunks)) == len(expected)  # nothing after the stop reaches the caller
+    assert len(decoder.generate(ids, 16, stop_ids=())) == 16
 
 
 def test_a_run_beyond_the_cache_is_refused_with_the_numbers(setup):

@@ -19,17 +19,35 @@ def setup():
 
 def test_generates_exactly_the_asked_number_of_tokens_with_a_step_time_each(setup):
     backend, _, model, tokenizer, ids = setup
-    tokens, streamer, out = g.generate(model, tokenizer, ids, backend, 5)
+    tokens, streamer, out = g.generate(model, tokenizer, ids, backend, 5, stop=False)
     assert len(tokens) == 5 and len(streamer.step_seconds) == 5 and all(s > 0 for s in streamer.step_seconds)
     assert out.sequences.shape[1] == ids.shape[1] + 5
     assert type(out.past_key_values).__name__ == "DynamicCache"
 
 
-def test_greedy_config_never_stops_early_and_leaves_the_model_config_alone(setup):
-    _, _, model, _, _ = setup
+def test_greedy_config_stops_at_the_models_stop_ids_or_explicitly_never(setup):
+    _, _, model, tokenizer, _ = setup
+    stops = tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
+    assert g.stop_ids(model) == stops  # generation_config.json's list, as the real checkpoint has
     config = g.greedy_config(model, 7)
-    assert config.eos_token_id is None and config.max_new_tokens == 7 and config.do_sample is False
-    assert model.generation_config.eos_token_id is not None
+    assert config.eos_token_id == stops and config.max_new_tokens == 7 and config.do_sample is False
+    assert g.greedy_config(model, 7, stop=False).eos_token_id == []
+    assert model.generation_config.eos_token_id == stops  # left alone
+
+
+SHORT_ANSWER = "What is the capital of France?"  # the twin answers in a few tokens, then ends its turn
+
+
+def test_generate_stops_at_the_end_of_turn_and_the_exact_count_mode_does_not(setup):
+    backend, _, model, tokenizer, _ = setup
+    ids = ck.chat_ids(tokenizer, backend.device, prompt=SHORT_ANSWER)
+    stopped, _, _ = g.generate(model, tokenizer, ids, backend, 16)
+    assert len(stopped) < 16 and stopped[-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert tokenizer.decode(stopped, skip_special_tokens=True) == "Paris is the capital of France."
+    exact, _, _ = g.generate(model, tokenizer, ids, backend, 16, stop=False)
+    assert len(exact) == 16 and exact[:len(stopped)] == stopped
+    assert g.until_stop(exact, g.stop_ids(model)) == stopped
+    assert ck.greedy_tokens(model, ids, 16) == stopped
 
 
 def test_measure_reports_medians_and_the_same_tokens(setup):
@@ -43,7 +61,7 @@ def test_reference_tokens_round_trip_and_a_fresh_load_reproduces_them(setup, tmp
     backend, checkpoint, model, tokenizer, ids = setup
     n = g.generation_length(backend)
     tokens, _, _ = g.generate(model, tokenizer, ids, backend, n)
-    g.save_reference(checkpoint, backend, ids, tokens, tmp_path)
+    g.save_reference(checkpoint, backend, ids, n, tokens, tmp_path)
     _, fresh, _, _ = g.load_for_series(backend)
     again, _, _ = g.generate(fresh, tokenizer, ids, backend, n)
     assert again == g.load_reference(checkpoint, backend, ids, n, tmp_path)
@@ -51,7 +69,7 @@ def test_reference_tokens_round_trip_and_a_fresh_load_reproduces_them(setup, tmp
 
 def test_a_reference_for_another_length_or_prompt_is_refused(setup, tmp_path):
     backend, checkpoint, model, tokenizer, ids = setup
-    g.save_reference(checkpoint, backend, ids, [1, 2, 3], tmp_path)
+    g.save_reference(checkpoint, backend, ids, 3, [1, 2, 3], tmp_path)
     with pytest.raises(LookupError, match="run notebook 03 first"):
         g.load_reference(checkpoint, backend, ids, 4, tmp_path)
     other = ck.encode(tokenizer, "another prompt", backend.device)

@@ -2,6 +2,8 @@
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
 from helpers import decode as d
@@ -29,20 +31,87 @@ def _grid_table(rows=64, cols=96, dtype=torch.bfloat16):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_grid_is_recovered_exactly(dtype):
     table = _grid_table(dtype=dtype)
-    codes, scales = q.recover_grid(table.weight.detach())
-    assert codes.dtype == torch.int8 and codes.min() >= -8 and codes.max() <= 7
+    codes, scales, found = q.recover_grid(table.weight.detach())
+    assert found.all() and codes.dtype == torch.int8 and codes.min() >= -8 and codes.max() <= 7
     assert scales.dtype == torch.bfloat16 and scales.shape == (64, 3)
     rebuilt = (codes.float().reshape(64, 3, 32) * scales.float()[..., None]).reshape(64, 96).to(dtype)
     assert torch.equal(rebuilt, table.weight)
 
 
-def test_a_table_on_no_grid_falls_back_to_compressed_tensors_with_its_error():
-    table = Gemma4TextScaledWordEmbedding(64, 64, 0, embed_scale=8.0)
-    assert q.recover_grid(table.weight.detach()) is None
-    with pytest.raises(ValueError, match="no 4-bit grid"):
+def test_the_peak_rounded_by_bf16_still_finds_its_scale():
+    # codes (7, 1) x 1.15625: 7 x 1.15625 = 8.09375, which bf16 rounds to 8.125, and
+    # bf16(8.125 / 7) is not 1.15625
+    group = torch.tensor([[8.125, 1.15625] + [0.0] * 30], dtype=torch.bfloat16)
+    codes, scales, found = q.recover_grid(group)
+    assert found.all() and torch.equal((codes.float() * scales.float()).to(torch.bfloat16), group)
+
+
+def _bf16(bits: int) -> torch.Tensor:
+    return torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16)
+
+
+grid_groups = st.tuples(
+    st.lists(st.integers(-8, 7), min_size=32, max_size=32),  # the codes
+    st.integers(0x0080, 0x7F00),  # the scale's bits: any positive normal bf16 short of overflow
+    st.booleans(),  # centred the other way: codes -7..8
+    st.booleans(),  # a negative scale
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(grid_groups, min_size=1, max_size=6))
+def test_any_bf16_grid_table_is_recovered_bit_for_bit(groups):
+    rows = []
+    for codes, bits, other_way, negative in groups:
+        codes = torch.tensor(codes, dtype=torch.float32) * (-1 if other_way else 1)
+        scale = _bf16(bits).float() * (-1 if negative else 1)
+        rows.append((codes * scale).to(torch.bfloat16))  # rounded once to bf16, as a QAT table is
+    table = torch.stack(rows)
+    assume(torch.isfinite(table.float()).all())
+    codes, scales, found = q.recover_grid(table)
+    assert found.all()
+    assert codes.min() >= -8 and codes.max() <= 7
+    assert torch.equal((codes.float() * scales.float()).to(torch.bfloat16), table)
+
+
+_ALL_SCALES = torch.arange(0x0001, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+
+
+def _on_some_grid(group: torch.Tensor) -> bool:
+    """Exhaustive: is there a positive bf16 scale and codes in [-8, 7] or [-7, 8] that give ``group``?"""
+    s = _ALL_SCALES[:, None]
+    q = torch.round(group.float()[None] / s).clamp(-8, 8)
+    one_range = ~((q.amin(-1) < -7) & (q.amax(-1) > 7))
+    return bool((((q * s).to(torch.bfloat16) == group[None]).all(-1) & one_range).any())
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(-8, 8), min_size=4, max_size=4), st.integers(0x3000, 0x4800),
+                          st.integers(-3, 3)), min_size=1, max_size=8))
+def test_recover_grid_agrees_with_an_exhaustive_search_over_bf16_scales(groups):
+    rows = []
+    for codes, bits, nudge in groups:  # on a grid, then one value nudged by a few bf16 steps
+        group = (torch.tensor(codes, dtype=torch.float32) * _bf16(bits).float()).to(torch.bfloat16)
+        if group[0] != 0:
+            group[0] = (group[:1].view(torch.int16) + nudge).view(torch.bfloat16)
+        rows.append(group)
+    table = torch.stack(rows)
+    found = q.recover_grid(table, group_size=4)[2].squeeze(1)
+    assert found.tolist() == [_on_some_grid(row) for row in table]
+
+
+def test_groups_on_no_grid_fall_back_to_compressed_tensors_and_the_report_counts_them():
+    table = _grid_table()
+    with torch.no_grad():
+        table.weight[3, :32] = torch.randn(32)  # one group off the grid
+    assert q.recover_grid(table.weight.detach())[2].sum() == 64 * 3 - 1
+    with pytest.raises(ValueError, match="1 groups of the table are on no 4-bit grid"):
         q.QTable.from_embedding(table, exact_only=True)
     module, report = q.QTable.from_embedding(table)
-    assert not report["exact grid"] and 0 < report["max abs error"] < table.weight.abs().max()
+    assert not report["exact grid"] and report["groups off the grid"] == 1 and report["groups"] == 64 * 3
+    rows = module.rows(torch.arange(64))
+    assert torch.equal(rows[4:], table.weight[4:]) and torch.equal(rows[3, 32:], table.weight[3, 32:])  # exact elsewhere
+    assert 0 < report["max abs error"] == (rows[3, :32] - table.weight[3, :32]).abs().max().item()
 
 
 def test_rows_equal_the_tables_bit_for_bit_for_edge_and_random_ids():
@@ -100,31 +169,21 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
     assert tokens == reference and count.graphs == 2
 
 
-def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows(tmp_path):
-    import shutil
-
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from safetensors.torch import load_file, save_file
-
+def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows():
     import helpers
     from helpers import checkpoint as ck
 
     backend = helpers.get_backend()
     source, model, _, _ = g.load_for_series(backend)
     assert q.QTable.from_checkpoint(source, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
-    shutil.copytree(source.source, tmp_path, dirs_exist_ok=True)
-    tensors = load_file(tmp_path / "model.safetensors")
-    key = "model.language_model.embed_tokens_per_layer"
-    codes, scales = q.recover_grid(tensors.pop(f"{key}.weight"))
-    tensors |= {f"{key}.weight_packed": pack_to_int32(codes, 4), f"{key}.weight_scale": scales,
-                f"{key}.weight_shape": torch.tensor(codes.shape)}
-    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    packed = ck.Checkpoint(str(tmp_path), None, True, "its per-layer table saved packed")
+    packed = ck.Checkpoint(str(twin.build_packed_table_twin()), None, True, "its per-layer table saved packed")
     table = model.model.embed_tokens_per_layer
     module, report = q.QTable.from_checkpoint(packed, "embed_tokens_per_layer", table)
     assert report["from"] == "packed in model.safetensors" and report["bytes after"] == module.nbytes()
     ids = torch.tensor([[0, table.num_embeddings - 1, 3, 3]], device=backend.device)
     assert torch.equal(module(ids).cpu(), table(ids).cpu())
+    every = torch.arange(table.num_embeddings, device=backend.device)[None]
+    assert torch.equal(module(every).cpu(), table(every).cpu())
 
 
 def test_the_main_table_in_4bit_keeps_the_tied_heads_logits_and_the_tokens():

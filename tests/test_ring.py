@@ -92,11 +92,11 @@ lengths = st.one_of(st.sampled_from([1, W - 1, W, W + 1, 2 * W, 3 * W + 5, 53, 7
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt_len=lengths, new_tokens=st.one_of(st.sampled_from([0, 1, W - 1, W + 1, 3 * W]), st.integers(0, 4 * W)),
-       chunk=st.sampled_from([1, 3, 5, 7, 12, W]), seed=st.integers(0, 2**16))
+       chunk=st.sampled_from([1, 3, 5, 7, 12, W]), slack=st.integers(0, 2 * W), seed=st.integers(0, 2**16))
 def test_logits_and_attention_equal_the_no_cache_reference_at_every_position(tiny, cpu, prompt_len, new_tokens,
-                                                                                chunk, seed):
+                                                                                chunk, slack, seed):
     seq = torch.randint(0, 512, (1, prompt_len + new_tokens), generator=torch.Generator().manual_seed(seed))
-    max_len = -(-seq.shape[1] // chunk) * chunk
+    max_len = max(seq.shape[1] + slack, chunk)  # any size: the padded last chunk may run past it
     decoder = ring.RingDecoder(tiny, cpu, max_len=max_len, chunk_size=chunk)
     logits, attention = _through_the_ring(decoder, seq, prompt_len)
     ref_logits, ref_attention = _no_cache(tiny, seq)
@@ -123,13 +123,27 @@ def test_e2b_ring_cache_bytes_at_131328_positions():
     config = ck.e2b_config().get_text_config()
     assert ck.kv_cache_bytes(config, 131_328, ring=True) == 813_170_688
     assert ck.kv_cache_bytes(config, 131_328) == 2_420_637_696
+    # the cache itself, allocated on the meta device with the defaults (chunk = the 512 window;
+    # 131,328 is not a multiple of it)
+    cache = ring.RingCache(ck.meta_model(config).to(torch.bfloat16), 131_328, config.sliding_window)
+    assert d.cache_bytes(cache) == 813_170_688
+
+
+def test_a_max_len_that_is_no_multiple_of_the_chunk_gives_the_no_cache_tokens(tiny, cpu):
+    prompt = torch.randint(3, 512, (1, 6 * W + 3), generator=torch.Generator().manual_seed(5))
+    decoder = ring.RingDecoder(tiny, cpu, max_len=6 * W + 9)  # the last chunk runs 7 positions past it
+    tokens = decoder.generate(prompt, 6, stop_ids=())
+    seq = prompt
+    for _ in range(6):
+        seq = torch.cat([seq, _no_cache(tiny, seq)[0][-1:].argmax(-1)[None]], dim=1)
+    assert tokens == seq[0, prompt.shape[1]:].tolist()
 
 
 def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(tiny, cpu):
     with pytest.raises(ValueError, match=f"chunk size {W + 1} must be 1..{W}"):
         ring.RingDecoder(tiny, cpu, max_len=(W + 1) * 4, chunk_size=W + 1)
-    with pytest.raises(ValueError, match="max_len 100 must be a multiple of the chunk size 16.*e.g. 112"):
-        ring.RingDecoder(tiny, cpu, max_len=100, chunk_size=16)
+    with pytest.raises(ValueError, match="max_len 12 must be at least the chunk size 16"):
+        ring.RingDecoder(tiny, cpu, max_len=12, chunk_size=16)
     decoder = ring.RingDecoder(tiny, cpu, max_len=64, chunk_size=16)
     with pytest.raises(ValueError, match="prompt 60 \\+ 5 new tokens exceed the cache's 64 positions"):
         decoder.generate(torch.zeros(1, 60, dtype=torch.long), 5)
@@ -153,7 +167,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     assert tokens == reference and count.graphs == 2  # one prefill chunk, one decode step
     long = ids.repeat(1, 8)[:, :7 * W + 3]  # crosses the window seven times; the last chunk padded
     with backend.compile_counter() as again, d.no_recompiles():
-        tokens = decoder.generate(long, n)
+        tokens = decoder.generate(long, n, stop_ids=())  # exactly n: the reference below never stops
     assert again.graphs == 0
     seq = long
     with torch.no_grad():
