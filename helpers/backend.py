@@ -106,6 +106,9 @@ class Backend:
             self._xm = importlib.import_module("torch_xla.core.xla_model")
             self._met = importlib.import_module("torch_xla.debug.metrics")
             self.device = self._xla.device()
+            # On the CPU client a sync waits for its graph: in CI, torch_xla 2.9 crashed (SIGSEGV,
+            # SIGABRT) at the first read issued while an async sync's graph was still running.
+            self._sync_waits = os.environ["PJRT_DEVICE"] == "CPU"
         else:
             self.device = torch.device(name)
 
@@ -205,7 +208,7 @@ class Backend:
     def flush(self) -> None:
         """End a deferred group: lazy XLA runs nothing until told; TorchTPU defers until a read."""
         if self.name == "xla":
-            self._xla.sync()
+            self._xla.sync(wait=self._sync_waits)
 
     def compile(self, fn: Callable, **options) -> Callable:
         """``torch.compile`` with this backend's compiler; static shapes unless told otherwise.
