@@ -81,7 +81,7 @@ def columns(bytes_per_token: int, tok_s: float, bandwidth: float) -> dict:
 
 
 STEP = "07 past the source"
-KS = ((1, 2, 4, 8), (1, 4))  # the K measured; on xla fewer (each K is a compile, slow on XLA's CPU client)
+KS = ((1, 2, 4), (1, 2))  # the K measured: each K is a compile, a minute or more for large K on a CPU
 JAX_TOK_S = 135  # a pure-JAX engine on the same chip and model, bf16 QAT weights (its own figure)
 
 
