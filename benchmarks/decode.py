@@ -1,77 +1,134 @@
-"""Decode tokens/s on a CPU-sized Gemma 4 (same class, ~tens of millions of parameters):
-(a) HF generate as it comes, (b) HF's own recipe (static cache, forward compiled), (c) the
-course's compiled decode step (notebook 04), measured side by side in one run.
+"""Decode tokens/s on a CPU-sized Gemma 4 (same class, ~tens of millions of parameters, its
+weights put on a 4-bit grid as QAT leaves them), every loop side by side in one run:
+(a) HF generate as it comes, (b) HF's own recipe (static cache, forward compiled), and the
+course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per call, and
+(e) int8 and (f) int4 linears kept compressed (notebook 07). The timed runs are interleaved
+(every loop once per round), so a busy moment of a shared machine hits them all alike.
 
-    python benchmarks/decode.py [--tokens 64] [--repeats 3] [--profile]
+    python benchmarks/decode.py [--tokens 64] [--rounds 3] [--k 8] [--profile]
 
-Prints tok/s and ratios; --profile adds where (c)'s time goes (torch.profiler, top ops).
+Prints tok/s, ratios to (a) and (b), and the roofline: bytes one step reads (from the
+tensors), GB/s, and % of this machine's read bandwidth (a matrix-vector probe, same run).
+--profile adds where (c)'s time goes (torch.profiler, top ops).
 """
 
 import argparse
+import copy
 import statistics
-import time
 
 import torch
 from cpu_model import cpu_model
 
 import helpers
 from helpers import decode as d
+from helpers import e2b, roofline, twin
 from helpers import generate as g
-from helpers.bench import table
+from helpers.bench import table, time_fn
+from helpers.qlinear import QLinear
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=64)
-parser.add_argument("--repeats", type=int, default=3)
+parser.add_argument("--rounds", type=int, default=3)
+parser.add_argument("--k", type=int, default=8, help="decode steps per compiled call for (d), (e), (f)")
 parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
 
 backend = helpers.get_backend("cpu")
 model = cpu_model()
+with torch.no_grad():  # QAT's grid: the compressed linears then hold the same weights exactly
+    for module in model.modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            module.weight.copy_(twin.on_grid(module.weight)[0])
 print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, float32, on the CPU")
 ids = torch.randint(3, 8192, (1, 48))
-n = args.tokens
-
-
-def tok_s(fn):
-    fn()  # warm-up (and compile)
-    runs = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        tokens = fn()
-        runs.append((n - 1) / (time.perf_counter() - start))
-    return statistics.median(runs), tokens
+n, max_len = args.tokens, d.PREFILL_BUCKETS[2] + args.tokens + args.k
 
 
 def hf(**kwargs):
     config = g.greedy_config(model, n, stop=False)  # exactly n tokens: each run times the same count
     config.update(**kwargs)
     with torch.no_grad():
-        return model.generate(ids, generation_config=config).sequences[0, ids.shape[1]:].tolist()
+        return model.generate(ids, generation_config=config).sequences[0, ids.shape[1] :].tolist()
 
 
-rows = []
-rate, expected = tok_s(hf)
-rows.append({"loop": "(a) HF generate, default", "tok_s": rate})
-eager_forward = model.forward
-model.forward = torch.compile(model.forward)  # HF's recipe: static cache, forward compiled
-with backend.compile_counter() as count:
-    rate, tokens = tok_s(lambda: hf(cache_implementation="static"))
-rows.append({"loop": "(b) HF generate, static cache + compiled forward", "tok_s": rate, "graphs": count.graphs,
-             "same_tokens": tokens == expected})
-model.forward = eager_forward
-decoder = d.Decoder(model, backend, max_len=d.PREFILL_BUCKETS[2] + n)
-with backend.compile_counter() as count:
-    rate, tokens = tok_s(lambda: decoder.generate(ids, n, stop_ids=()))
-rows.append({"loop": "(c) compiled decode step (ours)", "tok_s": rate, "graphs": count.graphs,
-             "same_tokens": tokens == expected})
+def compressed(fmt: str):
+    copied = copy.deepcopy(model)
+    for name, module in list(copied.model.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(copied.model.get_submodule(parent), child, QLinear.from_linear(module, fmt))
+    return copied
+
+
+compiled_forward = torch.compile(model.forward)  # HF's recipe: static cache, forward compiled
+
+
+def hf_static():
+    model.forward = compiled_forward
+    try:
+        return hf(cache_implementation="static")
+    finally:
+        del model.forward  # back to the class's own, eager
+
+
+decoders = {
+    "(c) compiled step, K=1": d.Decoder(model, backend, max_len),
+    f"(d) compiled, K={args.k}": d.Decoder(model, backend, max_len, tokens_per_call=args.k),
+    f"(e) int8 linears, K={args.k}": d.Decoder(compressed("int8"), backend, max_len, tokens_per_call=args.k),
+    f"(f) int4 linears, K={args.k}": d.Decoder(compressed("int4"), backend, max_len, tokens_per_call=args.k),
+}
+loops = {"(a) HF generate, default": hf, "(b) HF static cache + compiled forward": hf_static}
+loops |= {name: (lambda dec=dec: dec.generate(ids, n, stop_ids=())) for name, dec in decoders.items()}
+
+rows, expected = {}, hf()
+for name, loop in loops.items():  # first calls: compile, count graphs, check tokens
+    with backend.compile_counter() as count:
+        first = time_fn(loop, sync=backend.sync, warmup=0, repeats=1)
+    rows[name] = {
+        "loop": name,
+        "graphs": count.graphs,
+        "first_call_s": first.median,
+        "same_tokens": first.last == expected,
+        "runs": [],
+    }
+for _ in range(args.rounds):  # interleaved: every loop once per round
+    for name, loop in loops.items():
+        rows[name]["runs"].append((n - 1) / time_fn(loop, sync=backend.sync, warmup=0, repeats=1).median)
+
+bandwidth, how = roofline.read_bandwidth(backend)
+# HF's dynamic cache at the run's mean context (its sliding layers keep a window)
+hf_bytes = roofline.step_bytes(model) + e2b.kv_cache_bytes(
+    model.config, ids.shape[1] + n // 2, ring=True, dtype_bytes=4
+)
+for name, row in rows.items():
+    row["tok_s"] = statistics.median(row.pop("runs"))
+    step = roofline.step_bytes(decoders[name].model, decoders[name].cache) if name in decoders else hf_bytes
+    row |= roofline.columns(step, row["tok_s"], bandwidth)
+rows = list(rows.values())
 for row in rows:
-    row["vs_a"] = row["tok_s"] / rows[0]["tok_s"]
-    row["vs_b"] = row["tok_s"] / rows[1]["tok_s"]
-print(table(rows, ["loop", "tok_s", "vs_a", "vs_b", "graphs", "same_tokens"]))
+    row["vs_a"], row["vs_b"] = row["tok_s"] / rows[0]["tok_s"], row["tok_s"] / rows[1]["tok_s"]
+print(
+    table(
+        rows,
+        [
+            "loop",
+            "tok_s",
+            "vs_a",
+            "vs_b",
+            "GB_per_s",
+            "pct_of_bw",
+            "bytes_per_token",
+            "graphs",
+            "first_call_s",
+            "same_tokens",
+        ],
+    )
+)
+print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how}); median of {args.rounds} interleaved rounds of {n} tokens")
 
 if args.profile:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        decoder.generate(ids, n, stop_ids=())
+        decoders["(c) compiled step, K=1"].generate(ids, n, stop_ids=())
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))

@@ -23,8 +23,10 @@ args = parser.parse_args()
 backend = helpers.get_backend("cpu")
 model = cpu_model(sliding_window=512, max_position_embeddings=16384)  # E2B's window
 config = model.config
-print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, float32, window "
-      f"{config.sliding_window}, on the CPU")
+print(
+    f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, float32, window "
+    f"{config.sliding_window}, on the CPU"
+)
 
 
 max_len = -(-(max(args.contexts) + args.steps + 1) // config.sliding_window) * config.sliding_window
@@ -39,4 +41,6 @@ for r in rows:
         r[k] = fmt_bytes(r[k])
 print(table(rows))
 for what in ("ring ms/token", "ring eager ms/token", "HF ms/token"):
-    print(f"{what} at {args.contexts[-1]} vs {args.contexts[0]} tokens of context: {rows[-1][what] / rows[0][what]:.2f}x")
+    print(
+        f"{what} at {args.contexts[-1]} vs {args.contexts[0]} tokens of context: {rows[-1][what] / rows[0][what]:.2f}x"
+    )

@@ -9,12 +9,18 @@ import importlib
 import importlib.util
 import os
 
-
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # TPU chips by PCI device id (as Google's tpu-info reads them). The vendor id alone is not a
 # TPU: Google's gVNIC network card (device 0x0042) reports it too.
-TPU_PCI_DEVICES = {"0x0027": "v2/v3", "0x0056": "v4 lite", "0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e",
-                   "0x006f": "v6e", "0x0076": "7x"}
+TPU_PCI_DEVICES = {
+    "0x0027": "v2/v3",
+    "0x0056": "v4 lite",
+    "0x005e": "v4",
+    "0x0062": "v5p",
+    "0x0063": "v5e",
+    "0x006f": "v6e",
+    "0x0076": "7x",
+}
 
 
 def tpu_chips(root: str = "/sys/bus/pci/devices") -> list[str]:
@@ -39,6 +45,15 @@ if not tpu_chips():
     if importlib.util.find_spec("torch_tpu") is not None:
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
+
+def show(*functions) -> None:
+    """Print the source of each function or class: the lines a lesson teaches, read from the
+    module that runs them (so what is on screen is the code, not a copy of it)."""
+    import inspect
+
+    print("\n".join(inspect.getsource(f) for f in functions))
+
+
 _EXPORTS = {
     "install_missing": "setup",
     "BackendError": "backend",
@@ -49,13 +64,29 @@ _EXPORTS = {
     "time_fn": "bench",
     "Results": "bench",
     "run_dir": "bench",
-    "choose_checkpoint": "checkpoint",
+    "choose_checkpoint": "hub",
     "build_tiny_twin": "twin",
 }
 
 
-_MODULES = {"backend", "bench", "checkpoint", "course", "decode", "generate", "modes", "qtable", "ring", "setup", "tour",
-            "twin"}
+_MODULES = {
+    "backend",
+    "bench",
+    "checkpoint",
+    "course",
+    "decode",
+    "e2b",
+    "generate",
+    "hub",
+    "modes",
+    "packed",
+    "qtable",
+    "ring",
+    "series",
+    "setup",
+    "tour",
+    "twin",
+}
 
 
 def __getattr__(name):
@@ -66,4 +97,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(_EXPORTS.keys() | _MODULES | {"tpu_chips"})
+__all__ = sorted(_EXPORTS.keys() | _MODULES | {"show", "tpu_chips"})

@@ -58,7 +58,8 @@ def detect() -> str:
         raise BackendError(
             f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "
             "set-up cell (it installs torch_tpu), restart the runtime if it says so (Runtime > Restart session), "
-            f"then run all cells; to run on the host instead, set {ENV_VAR}=cpu.")
+            f"then run all cells; to run on the host instead, set {ENV_VAR}=cpu."
+        )
     if torch.cuda.is_available():
         return "cuda"
     return "cpu"
@@ -96,7 +97,12 @@ class CompileCount:
 
 
 class Backend:
-    """One backend: its device, its three modes, sync, memory and compile counts."""
+    """One backend: its device, its three modes, sync, memory and compile counts.
+
+    Args: ``name``, one of ``BACKENDS`` (``get_backend`` checks it is available first).
+    Attributes: ``name``; ``device``, the ``torch.device`` tensors go to; ``modes``, the
+    execution modes it offers. ``memory()`` returns ``{"in_use", "peak"}`` bytes or None;
+    ``compile_counter()`` yields a ``CompileCount`` filled when the block ends."""
 
     def __init__(self, name: str):
         self.name = name
@@ -237,11 +243,15 @@ class Backend:
     # --- counting compilations ----------------------------------------------------------
     def _device_counts(self) -> tuple[int | None, int | None]:
         if self.name == "xla":
+
             def count(metric):
                 data = self._met.metric_data(metric)
                 return data[0] if data else 0
 
-            return (count("CompileTime") + count("EagerOpCompileTime"), count("ExecuteTime") + count("EagerOpExecuteTime"))
+            return (
+                count("CompileTime") + count("EagerOpCompileTime"),
+                count("ExecuteTime") + count("EagerOpExecuteTime"),
+            )
         if self.name == "tpu":
             # private, but TorchTPU's only counter for eager/fused programs; a dict or an object
             # depending on the version: every cache miss is one compilation.

@@ -17,9 +17,10 @@ RUN_DIR_VAR = "HELPERS_RUN_DIR"
 
 @dataclasses.dataclass
 class Timing:
-    """Seconds per call over the timed repeats."""
+    """Seconds per call over the timed repeats, and the last call's output."""
 
     times: list[float]
+    last: object = None
 
     @property
     def median(self) -> float:
@@ -37,8 +38,9 @@ class Timing:
         return f"{self.median * 1e3:.3f} ms (min {self.min * 1e3:.3f}, max {self.max * 1e3:.3f}, n={len(self.times)})"
 
 
-def time_fn(fn: Callable, *args, sync: Callable[[], None], warmup: int = 2, repeats: int = 10,
-            desc: str | None = None, **kwargs) -> Timing:
+def time_fn(
+    fn: Callable, *args, sync: Callable[[], None], warmup: int = 2, repeats: int = 10, desc: str | None = None, **kwargs
+) -> Timing:
     """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeats`` timed ones.
 
     ``sync`` waits for the device (``backend.sync``): without it an asynchronous device
@@ -56,12 +58,19 @@ def time_fn(fn: Callable, *args, sync: Callable[[], None], warmup: int = 2, repe
         out = fn(*args, **kwargs)
         sync()
         times.append(time.perf_counter() - start)
-    del out
-    return Timing(times)
+    return Timing(times, out)
 
 
-def tokens_per_second(tokens: int, seconds: float) -> float:
-    return tokens / seconds
+def time_fed(step: Callable, state: tuple, *, sync: Callable[[], None], repeats: int, warmup: int = 0) -> Timing:
+    """``time_fn`` for a step fed its own output, as a decode step is fed its last token and
+    position: each call is ``state = step(*state)``."""
+    box = [state]
+
+    def fed():
+        box[0] = step(*box[0])
+        return box[0]
+
+    return time_fn(fed, sync=sync, warmup=warmup, repeats=repeats)
 
 
 def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
@@ -98,8 +107,7 @@ class Results:
     def table(self, columns: list[str] | None = None) -> str:
         return table(self.rows(), columns)
 
-    def chart(self, value: str, title: str, source: str | None = None, step: str | None = None,
-              log: bool = False):
+    def chart(self, value: str, title: str, source: str | None = None, step: str | None = None, log: bool = False):
         """A bar chart of ``value`` for every row that has it (of one ``step`` if given);
         ``source`` names a column holding the source's own figure, drawn beside ours and
         labelled as the source's. Saved as ``<value>.png`` in the run folder."""
@@ -112,8 +120,13 @@ class Results:
         width = 0.4 if source else 0.8
         ax.bar([x - width / 2 if source else x for x in xs], [r[value] for r in rows], width, label="this run")
         if source:
-            ax.bar([x + width / 2 for x in xs], [r.get(source) or 0 for r in rows], width,
-                   label="source (TPU v5e-1)", color="tab:gray")
+            ax.bar(
+                [x + width / 2 for x in xs],
+                [r.get(source) or 0 for r in rows],
+                width,
+                label="source (TPU v5e-1)",
+                color="tab:gray",
+            )
             ax.legend()
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_ylabel(value)
@@ -154,8 +167,13 @@ def fmt_bytes(n: int | None) -> str:
     return f"{n} B"
 
 
-def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "GB", scale: float = 1e9,
-                 path: str | os.PathLike | None = None):
+def stacked_bars(
+    bars: dict[str, dict[str, float]],
+    title: str,
+    ylabel: str = "GB",
+    scale: float = 1e9,
+    path: str | os.PathLike | None = None,
+):
     """One stacked bar per label, one segment per component: where the bytes go."""
     import matplotlib.pyplot as plt
 
@@ -176,8 +194,12 @@ def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "G
     return fig
 
 
-def step_plot(series: dict[str, list[float]], title: str, counts: dict[str, list[int]] | None = None,
-              path: str | os.PathLike | None = None):
+def step_plot(
+    series: dict[str, list[float]],
+    title: str,
+    counts: dict[str, list[int]] | None = None,
+    path: str | os.PathLike | None = None,
+):
     """Seconds per step against step index, one line per series (log scale: compile spikes
     and warm steps differ by orders of magnitude); below it, what each step compiled."""
     import matplotlib.pyplot as plt
@@ -212,3 +234,48 @@ def copy_bandwidth(backend, megabytes: int = 256, repeats: int = 5) -> float:
     dst = torch.empty_like(src)
     timing = time_fn(dst.copy_, src, sync=lambda: (backend.flush(), backend.sync()), warmup=1, repeats=repeats)
     return 2 * src.numel() * 4 / timing.median
+
+
+def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[str, float]):
+    """Ceiling tok/s by step (computed), the source's measured tok/s beside the steps it
+    measured, and a peer's figure as a line, each labelled with where it comes from."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    ys = range(len(figures))
+    ax.barh(list(ys), [f["ceiling_tok_s"] for f in figures], 0.4, label="ceiling at 819 GB/s (computed)")
+    marked = [(y, measured[f["step"]]) for y, f in zip(ys, figures) if f["step"] in measured]
+    ax.barh([y + 0.4 for y, _ in marked], [v for _, v in marked], 0.4, color="tab:gray", label="source, measured")
+    ax.axvline(peer[1], color="tab:red", linestyle="--", label=f"{peer[0]}: {peer[1]} tok/s (its own figure)")
+    ax.set_yticks([y + 0.2 for y in ys], [f["step"] for f in figures], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("decode tokens/s, E2B on a TPU v5e-1")
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return fig
+
+
+def variant_chart(rows: list[dict], title: str):
+    """Decode tok/s and % of the read bandwidth, side by side, one bar per variant."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels = [r["variant"] for r in rows]
+    for ax, key, unit in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "pct_of_bw", "% of read bandwidth")):
+        ax.barh(labels, [r[key] for r in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel(unit)
+        ax.tick_params(axis="y", labelsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def closing_charts(results: Results):
+    """The series' closing charts: decode tok/s of every step beside the source's figures, the
+    bytes of weights and cache on the device, and each step's % of the read bandwidth."""
+    return (
+        results.chart("decode_tok_s", "decode tokens/s, all steps", source="source_tok_s"),
+        results.chart("device_bytes", "weights + KV cache on the device (bytes, from the tensors)"),
+        results.chart("pct_of_bw", "% of this device's read bandwidth (bytes per token x tok/s)"),
+    )

@@ -1,12 +1,10 @@
-"""Gemma 4 E2B checkpoints: pick one, load its text decoder onto a device, see where the bytes go.
-
-The real one is Google's `google/gemma-4-E2B-it-qat-w4a16-ct` (gated); without a TPU or
-without access, the tiny twin (`helpers.twin`) takes its place through the same code.
-"""
+"""Loading a Gemma 4 E2B checkpoint (chosen by `helpers.hub`): refuse what cannot fit, load
+its text decoder onto a device, see where the bytes go, give them back; the series' prompt and
+a reference model dequantized independently. The real checkpoint and the tiny twin go through
+the same code."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -19,42 +17,17 @@ import torch
 
 from .backend import Backend
 from .bench import fmt_bytes
-from .twin import GROUP_SIZE, build_tiny_twin
-
-REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
-MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, or "tiny"
-REVISION_VAR = "HELPERS_REVISION"
-E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
-# The multimodal checkpoint keeps the text decoder under model.language_model.*; the text
-# model (Gemma4ForCausalLM) calls it model.*. lm_head is top-level in both.
-KEY_MAPPING = {r"^model\.language_model\.": "model."}
-_CHECKPOINT_PREFIX, _TEXT_PREFIX = "model.language_model.", "model."
+from .e2b import estimate_device_bytes
+from .hub import Checkpoint, CheckpointError, choose_checkpoint, local_folder
+from .packed import CHECKPOINT_PREFIX, GROUP_SIZE, KEY_MAPPING, TEXT_PREFIX, tensor_kind, text_key
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked; the message says what to do."""
-
-
-def text_key(checkpoint_key: str) -> str | None:
-    """The text model's name for a checkpoint tensor (None for audio/vision tensors)."""
-    if checkpoint_key.startswith(_CHECKPOINT_PREFIX):
-        return _TEXT_PREFIX + checkpoint_key[len(_CHECKPOINT_PREFIX):]
-    return checkpoint_key if checkpoint_key.startswith("lm_head.") else None
-
-
-def checkpoint_key(text_model_key: str) -> str:
-    """The checkpoint's name for a text-model tensor (the inverse of ``text_key``)."""
-    if text_model_key.startswith(_TEXT_PREFIX):
-        return _CHECKPOINT_PREFIX + text_model_key[len(_TEXT_PREFIX):]
-    return text_model_key
-
-
-def name_map(checkpoint: "Checkpoint") -> list[dict]:
+def name_map(checkpoint: Checkpoint) -> list[dict]:
     """How the checkpoint's tensor names land in the text model, grouped (names only, no data)."""
     from safetensors import safe_open
 
     groups: dict[tuple[str, str], int] = {}
-    for path in sorted(_local_folder(checkpoint).glob("*.safetensors")):
+    for path in sorted(local_folder(checkpoint).glob("*.safetensors")):
         with safe_open(path, "pt") as f:
             for key in f.keys():
                 name = text_key(key)
@@ -63,125 +36,21 @@ def name_map(checkpoint: "Checkpoint") -> list[dict]:
                 elif name == "lm_head.weight":
                     group = (key, "tied to model.embed_tokens.weight: the copy is redundant")
                 else:
-                    group = (_CHECKPOINT_PREFIX + "*", _TEXT_PREFIX + "*")
+                    group = (CHECKPOINT_PREFIX + "*", TEXT_PREFIX + "*")
                 groups[group] = groups.get(group, 0) + 1
     return [{"checkpoint": c, "text model": t, "tensors": n} for (c, t), n in groups.items()]
 
 
-# --- which checkpoint ----------------------------------------------------------------------
-@dataclasses.dataclass
-class Checkpoint:
-    """Where the weights come from, and why: printed first, so a reader knows what ran."""
-
-    source: str  # a repo id or a local folder
-    revision: str | None
-    tiny: bool
-    reason: str
-    folder: str | None = None  # a local snapshot of ``source`` already at hand (the Hub's cache)
-
-    @property
-    def name(self) -> str:
-        """A stable name for the weights: the repo id and revision, or the twin's folder name."""
-        return pathlib.Path(self.source).name if self.tiny else f"{self.source}@{self.revision or 'main'}"
-
-    def __str__(self) -> str:
-        rev = f" @ {self.revision}" if self.revision else ""
-        kind = "tiny offline twin" if self.tiny else "real checkpoint"
-        return f"{kind}: {self.source}{rev} ({self.reason})"
-
-
+# --- the dtype and the config ----------------------------------------------------------------
 def series_dtype(checkpoint: Checkpoint) -> torch.dtype:
-    """bf16 for the real model; float32 for the tiny twin. A random tiny model has nearly tied
-    logits, and bf16 rounds fused and unfused programs differently (measured on xla: eager and
-    defer-and-fuse gave different greedy tokens from the 4th on), so in bf16 its token identity
-    would test luck, not code. Its 4-bit-grid weights are exact in either dtype."""
+    """bf16 for the real model; float32 for the tiny twin, where the series compares tokens
+    across programs that sum in different orders (eager and fused, cached and uncached, ring
+    and no cache) on prompts the twin never learned. There its logits can be close, and bf16
+    rounds each program differently (measured on xla with an untrained twin: eager and
+    defer-and-fuse differed from the 4th token on), so token identity would test rounding, not
+    code. On the chat turns it learned, its greedy answers are the same in bf16 (top-2 logit
+    gaps of 5.5 or more, measured). Its 4-bit-grid weights are exact in either dtype."""
     return torch.float32 if checkpoint.tiny else torch.bfloat16
-
-
-def hf_token() -> str | None:
-    """The Hugging Face token as huggingface_hub finds it: ``$HF_TOKEN``, a token stored by
-    ``huggingface_hub.login()``, or Colab's secret ``HF_TOKEN``."""
-    from huggingface_hub import get_token
-
-    return get_token()
-
-
-_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # the chat template is chat_template.jinja
-
-
-def _hub_unreachable(repo_id: str, token: str) -> str | None:
-    """Why the Hub cannot say whether ``token`` may read ``repo_id`` (offline, a network error,
-    an outage), or None when it says yes; a clear error when it says no."""
-    from huggingface_hub import auth_check
-    from huggingface_hub.errors import GatedRepoError, HTTPError, RepositoryNotFoundError
-
-    try:
-        auth_check(repo_id, token=token)
-    except GatedRepoError:
-        raise CheckpointError(
-            f"the Hugging Face token has no access to {repo_id}: accept the Gemma licence at "
-            f"https://huggingface.co/{repo_id} with the token's account, then rerun; or continue on the tiny "
-            f"twin with os.environ['{MODEL_VAR}'] = 'tiny'.") from None
-    except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo_id}: no such repository, or the token cannot see it.") from None
-    except (OSError, HTTPError) as err:  # offline mode, connection errors, 5xx answers
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no answer'}"
-    return None
-
-
-def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=_PATTERNS, local_files_only=True)
-    except LocalEntryNotFoundError:
-        return None
-
-
-def choose_checkpoint(backend: Backend) -> Checkpoint:
-    """The real checkpoint on a TPU with a token, else the tiny twin; ``$HELPERS_MODEL`` decides
-    if set (a repo id, a local folder, or ``tiny``). When the Hub cannot be reached, the cached
-    snapshot if there is one, else the twin, with the reason in the printed line."""
-    asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
-    if asked == "tiny":
-        return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
-    if asked:
-        return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
-    if backend.name != "tpu":
-        return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU here (backend {backend.name})")
-    token = hf_token()
-    if token is None:
-        return Checkpoint(str(build_tiny_twin()), None, True,
-                          "no Hugging Face token: huggingface_hub.login(), HF_TOKEN, or the Colab secret HF_TOKEN")
-    unreachable = _hub_unreachable(REPO_ID, token)
-    if unreachable is None:
-        return Checkpoint(REPO_ID, revision, False, "TPU and a Hugging Face token")
-    cached = _cached_snapshot(REPO_ID, revision)
-    if cached:
-        return Checkpoint(REPO_ID, revision, False, f"the Hub is unreachable ({unreachable}): its cached snapshot", cached)
-    return Checkpoint(str(build_tiny_twin()), None, True, f"the Hub is unreachable ({unreachable}) and nothing is cached")
-
-
-def _local_folder(checkpoint: Checkpoint) -> pathlib.Path:
-    """A local folder holding the checkpoint: downloaded only after access was checked."""
-    if checkpoint.folder:
-        return pathlib.Path(checkpoint.folder)
-    folder = pathlib.Path(checkpoint.source)
-    if folder.is_dir():
-        return folder
-    from huggingface_hub import snapshot_download
-
-    token = hf_token()
-    if token is None:
-        raise CheckpointError(f"{checkpoint.source} is gated and no Hugging Face token was found: run "
-                              "huggingface_hub.login(), set HF_TOKEN, or in Colab add the secret HF_TOKEN "
-                              "(the key icon, notebook access on).")
-    unreachable = _hub_unreachable(checkpoint.source, token)
-    if unreachable:
-        raise CheckpointError(f"cannot reach the Hub for {checkpoint.source} ({unreachable}) and it is not cached.")
-    return pathlib.Path(snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token,
-                                          allow_patterns=_PATTERNS))
 
 
 def read_config(folder: str | os.PathLike):
@@ -206,73 +75,7 @@ def text_config(config):
     return text
 
 
-# --- E2B-scale figures on the meta device ----------------------------------------------------
-def e2b_config():
-    from transformers import Gemma4TextConfig
-
-    facts = {k: v for k, v in json.loads(E2B_CONFIG.read_text()).items() if not k.startswith("_")}
-    facts.pop("model_type")
-    return Gemma4TextConfig(**facts)
-
-
-def meta_model(config):
-    """The text model built on the meta device: every shape, no weights, no memory."""
-    from transformers import Gemma4ForCausalLM
-
-    with torch.device("meta"):
-        return Gemma4ForCausalLM(config)
-
-
-def int4_bytes(numel: int, rows_dim: int, group_size: int = GROUP_SIZE, scale_bytes: int = 2) -> int:
-    """Bytes of a [rows, cols] tensor stored packed in int4 with one bf16 scale per group."""
-    return numel // 2 + numel // group_size * scale_bytes
-
-
-def component_bytes(model) -> list[dict]:
-    """Bytes per component of a (meta) text model, in bf16 and in int4 group-32 with bf16 scales:
-    the two embedding tables, all linears of the decoder, and the lm_head copy a checkpoint may store."""
-    inner = model.model
-    linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
-    rows = [
-        ("embed_tokens", [inner.embed_tokens.weight]),
-        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight]),
-        (f"linears ({len(linears)})", [m.weight for m in linears]),
-        ("lm_head copy", [model.lm_head.weight]),
-    ]
-    out = []
-    for name, tensors in rows:
-        numel = sum(t.numel() for t in tensors)
-        out.append({"component": name, "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
-                    "bf16_bytes": numel * 2, "int4_bytes": sum(int4_bytes(t.numel(), 0) for t in tensors)})
-    return out
-
-
-def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
-    """Bytes of K and V for ``positions`` tokens over the cache-owning layers (KV-sharing layers
-    hold none); with ``ring``, sliding layers keep only their window."""
-    total = 0
-    for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
-        if mode == "reuse":
-            continue
-        layer = config.per_layer_config[i]
-        length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
-        total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
-    return total
-
-
 # --- preflight: refuse before loading what cannot fit ----------------------------------------
-def estimate_device_bytes(config, dequantize: bool) -> int:
-    """Device bytes the text decoder will hold once it has run a forward: compressed-tensors
-    expands every packed weight to bf16 either at load (dequantize) or on the first forward,
-    keeping the scales too unless dequantized; embeddings are tied, so stored once."""
-    model = meta_model(config)
-    bf16 = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts tied weights once
-    if dequantize:
-        return bf16
-    linears = [m.weight.numel() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
-    return bf16 + sum(n // GROUP_SIZE * 2 for n in linears)
-
-
 def available_bytes(backend: Backend) -> int | None:
     """Free device memory where the backend says it; host RAM on cpu."""
     total = backend.memory_total()
@@ -284,7 +87,9 @@ def available_bytes(backend: Backend) -> int | None:
     return None
 
 
-def preflight(config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None) -> str:
+def preflight(
+    config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None
+) -> str:
     """Refuse, with needed vs available bytes and what to change, a load that will not fit.
 
     ``available`` and ``where`` describe another device than this backend's (a what-if)."""
@@ -296,7 +101,8 @@ def preflight(config, backend: Backend, dequantize: bool, available: int | None 
     if needed > available:
         raise CheckpointError(
             f"will not fit: needs ~{fmt_bytes(needed)} on {where}, {fmt_bytes(available)} free; "
-            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device.")
+            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device."
+        )
     return f"preflight: needs ~{fmt_bytes(needed)} of {fmt_bytes(available)} free on {where}: fits"
 
 
@@ -322,10 +128,12 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
     if backend.name == "tpu" and dtype == torch.float32:
         # a TPU runs float32 matmuls in bf16 by default: the twin's exact comparisons need float32
         torch.set_float32_matmul_precision("highest")
-    folder = _local_folder(checkpoint)
+    folder = local_folder(checkpoint)
     config = text_config(read_config(folder))
     print(preflight(config, backend, dequantize))
-    quantization = CompressedTensorsConfig(dequantize=dequantize) if getattr(config, "quantization_config", None) else None
+    quantization = (
+        CompressedTensorsConfig(dequantize=dequantize) if getattr(config, "quantization_config", None) else None
+    )
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # its load report lists every tower tensor; we check them below instead
     try:
@@ -333,8 +141,14 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
             # "the model already has a quantization_config": yes, and ours only sets `dequantize`
             warnings.filterwarnings("ignore", message="You passed `quantization_config`")
             model, info = Gemma4ForCausalLM.from_pretrained(
-                folder, config=config, key_mapping=KEY_MAPPING, dtype=dtype, device_map=_device_map(backend),
-                quantization_config=quantization, output_loading_info=True)
+                folder,
+                config=config,
+                key_mapping=KEY_MAPPING,
+                dtype=dtype,
+                device_map=_device_map(backend),
+                quantization_config=quantization,
+                output_loading_info=True,
+            )
     finally:
         hf_logging.set_verbosity(verbosity)
     _check_loading_info(info)
@@ -373,8 +187,10 @@ def _check_loading_info(info: dict) -> None:
     """Every text tensor was read, and nothing but audio/vision tensors (and the redundant
     lm_head copy, tied to embed_tokens) was left out."""
     if info["missing_keys"] or info["mismatched_keys"]:
-        raise CheckpointError(f"checkpoint lacks or mismatches text tensors: "
-                              f"{sorted(info['missing_keys'] | set(info['mismatched_keys']))[:5]}")
+        raise CheckpointError(
+            f"checkpoint lacks or mismatches text tensors: "
+            f"{sorted(info['missing_keys'] | set(info['mismatched_keys']))[:5]}"
+        )
     stray = [k for k in info["unexpected_keys"] if not re.search(r"(audio|vision)", k)]
     if stray:
         raise CheckpointError(f"checkpoint has text tensors the model does not know: {sorted(stray)[:5]}")
@@ -383,7 +199,7 @@ def _check_loading_info(info: dict) -> None:
 def load_tokenizer(checkpoint: Checkpoint):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_local_folder(checkpoint))
+    return AutoTokenizer.from_pretrained(local_folder(checkpoint))
 
 
 def encode(tokenizer, text: str, device) -> torch.Tensor:
@@ -400,8 +216,9 @@ PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the se
 
 def chat_ids(tokenizer, device, prompt: str = PROMPT) -> torch.Tensor:
     """The prompt as a user turn through the tokenizer's own chat template, BOS in front."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+    )
     return encode(tokenizer, text, device)
 
 
@@ -420,7 +237,7 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
     from safetensors import safe_open
     from transformers import Gemma4ForCausalLM, GenerationConfig
 
-    folder = _local_folder(checkpoint)
+    folder = local_folder(checkpoint)
     config = text_config(read_config(folder))
     config.quantization_config = None
     state = {}
@@ -445,20 +262,14 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
     if (folder / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
-    print(f"reference model: {fmt_bytes(sum(t.numel() * t.element_size() for t in state.values()))} of text-decoder "
-          f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(peak)}")
+    print(
+        f"reference model: {fmt_bytes(sum(t.numel() * t.element_size() for t in state.values()))} of text-decoder "
+        f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(peak)}"
+    )
     return model
 
 
 # --- where the bytes are, and what compressed-tensors attached --------------------------------
-def tensor_kind(name: str, tensor: torch.Tensor) -> str:
-    if name.endswith("weight_packed"):
-        return "packed int4"
-    if name.endswith("weight_scale"):
-        return "int4 scales"
-    if name.endswith("weight_shape"):
-        return "int4 shapes"
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(tensor.dtype, str(tensor.dtype))
 
 
 def memory_report(model) -> list[dict]:
@@ -472,7 +283,9 @@ def memory_report(model) -> list[dict]:
             continue
         seen.add(id(tensor))
         kind = "buffers" if is_buffer else tensor_kind(name, tensor)
-        row = rows.setdefault((kind, str(tensor.device)), {"kind": kind, "device": str(tensor.device), "tensors": 0, "bytes": 0})
+        row = rows.setdefault(
+            (kind, str(tensor.device)), {"kind": kind, "device": str(tensor.device), "tensors": 0, "bytes": 0}
+        )
         row["tensors"] += 1
         row["bytes"] += tensor.numel() * tensor.element_size()
     return sorted(rows.values(), key=lambda r: -r["bytes"])
@@ -480,16 +293,23 @@ def memory_report(model) -> list[dict]:
 
 def compression_report(model) -> list[dict]:
     """What compressed-tensors attached: wrapped module forwards, hooks, quantization status."""
-    wrapped = [n for n, m in model.named_modules()  # an instance forward other than the class's own
-               if "forward" in m.__dict__ and getattr(m.forward, "__func__", None) is not type(m).forward]
+    wrapped = [
+        n
+        for n, m in model.named_modules()  # an instance forward other than the class's own
+        if "forward" in m.__dict__ and getattr(m.forward, "__func__", None) is not type(m).forward
+    ]
     status = {}
     for name, module in model.named_modules():
         if getattr(module, "quantization_status", None) is not None:
             status.setdefault(str(module.quantization_status.value), []).append(name)
     hooks = [n or "(model)" for n, m in model.named_modules() if m._forward_pre_hooks or m._forward_hooks]
-    rows = [{"what": "modules with a wrapped forward", "count": len(wrapped), "example": (wrapped or ["-"])[0]},
-            {"what": "modules with forward hooks", "count": len(hooks), "example": (hooks or ["-"])[0]}]
-    rows += [{"what": f"quantization status '{s}'", "count": len(names), "example": names[0]} for s, names in status.items()]
+    rows = [
+        {"what": "modules with a wrapped forward", "count": len(wrapped), "example": (wrapped or ["-"])[0]},
+        {"what": "modules with forward hooks", "count": len(hooks), "example": (hooks or ["-"])[0]},
+    ]
+    rows += [
+        {"what": f"quantization status '{s}'", "count": len(names), "example": names[0]} for s, names in status.items()
+    ]
     return rows
 
 
@@ -503,14 +323,15 @@ def record(results, backend: Backend, label: str, model, load_s: float, **extra)
     kinds = {}
     for row in report:
         kinds[row["kind"]] = kinds.get(row["kind"], 0) + row["bytes"]
-    return results.add(STEP, label, backend=backend.name, load_s=load_s,
-                       device_bytes=sum(kinds.values()), bytes_by_kind=kinds, **extra)
+    return results.add(
+        STEP, label, backend=backend.name, load_s=load_s, device_bytes=sum(kinds.values()), bytes_by_kind=kinds, **extra
+    )
 
 
-def check_length(backend: Backend) -> int:
-    """How many tokens the token checks generate: few on xla, where HF ``generate`` compiles a
-    new graph at every step (notebook 03)."""
-    return 3 if backend.name == "xla" else 8
+def generation_length(backend: Backend) -> int:
+    """Tokens generated per run in the series: 32; 8 on xla, where ``generate`` compiles a
+    new graph at every step."""
+    return 8 if backend.name == "xla" else 32
 
 
 def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
@@ -519,7 +340,7 @@ def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
     from .generate import greedy_config
 
     out = model.generate(ids, generation_config=greedy_config(model, new_tokens))
-    return out.sequences[0, ids.shape[1]:].tolist()
+    return out.sequences[0, ids.shape[1] :].tolist()
 
 
 def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, new_tokens: int) -> list[int]:
@@ -552,7 +373,7 @@ def run_step(backend: Backend, results) -> list[dict]:
     path must; the default path must wherever unpacking on the device is exact)."""
     checkpoint = choose_checkpoint(backend)
     print(checkpoint)
-    ids, new_tokens = chat_ids(load_tokenizer(checkpoint), backend.device), check_length(backend)
+    ids, new_tokens = chat_ids(load_tokenizer(checkpoint), backend.device), generation_length(backend)
     expected = check_tokens(backend, checkpoint, ids, new_tokens)
     exact_unpack = unpack_is_exact(backend.device)
     rows = []

@@ -22,7 +22,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 README = ROOT / "README.md"
 _FIRST_LINE = "# Set up, the same cell in every notebook (written by helpers.course): fetch the course"
-_BADGE = re.compile(r"https://colab\.research\.google\.com/github/[^/\s]+/[^/\s]+/blob/[^/\s]+/(notebooks/[^)\s]+\.ipynb)")
+_BADGE = re.compile(
+    r"https://colab\.research\.google\.com/github/[^/\s]+/[^/\s]+/blob/[^/\s]+/(notebooks/[^)\s]+\.ipynb)"
+)
 
 
 def repo_url() -> str:
@@ -36,20 +38,31 @@ def setup_cell() -> str:
     repo, ref = repo_url(), REF
     return f'''{_FIRST_LINE}
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "{repo}")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "{ref}")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={{**os.environ, "GIT_TERMINAL_PROMPT": "0"}})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={{**os.environ, "GIT_TERMINAL_PROMPT": "0"}},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {{COURSE_REPO}} ({{COURSE_REF}}): {{fetch.stderr.strip()}}\\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {{COURSE_REPO}} ({{COURSE_REF}}): {{fetch.stderr.strip()}}\\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {{COURSE_REPO}} ({{COURSE_REF}}) into {{COURSE_DIR}}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()'''
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
+import statistics
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from . import generate as g
 from .backend import Backend
+from .bench import time_fn
 
 STEP = "04 compiled decode"
 SOURCE_TOK_S = 32  # the source's figure, TPU v5e-1: 31-33 tok/s
@@ -37,10 +38,12 @@ def strip_compressed_wrappers(model) -> dict:
             QuantizationMetadata.clear_quantization(module)
     remove_dispatch(model, onload_tensors=True)
     after = {r["what"]: r["count"] for r in compression_report(model)}
-    return {"decompressed now": decompressed,
-            "wrapped forwards removed": before["modules with a wrapped forward"] - after["modules with a wrapped forward"],
-            "hooks removed": before["modules with forward hooks"] - after["modules with forward hooks"],
-            "wrapped forwards left": after["modules with a wrapped forward"]}
+    return {
+        "decompressed now": decompressed,
+        "wrapped forwards removed": before["modules with a wrapped forward"] - after["modules with a wrapped forward"],
+        "hooks removed": before["modules with forward hooks"] - after["modules with forward hooks"],
+        "wrapped forwards left": after["modules with a wrapped forward"],
+    }
 
 
 def static_cache(model, max_len: int) -> Cache:
@@ -62,8 +65,14 @@ def allocated_layers(model, make_layer) -> list:
         attn = decoder.self_attn
         layer = make_layer(attn)
         if not attn.is_kv_shared_layer:
-            kv = torch.zeros(1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim,
-                             dtype=attn.k_proj.weight.dtype, device=attn.k_proj.weight.device)
+            kv = torch.zeros(
+                1,
+                attn.k_proj.out_features // attn.head_dim,
+                1,
+                attn.head_dim,
+                dtype=attn.k_proj.weight.dtype,
+                device=attn.k_proj.weight.device,
+            )
             layer.lazy_initialization(kv, kv)
         layers.append(layer)
     return layers
@@ -77,7 +86,8 @@ def set_length(cache: Cache, length: int) -> None:
 
 
 def cache_bytes(cache: Cache) -> int:
-    return sum(l.keys.numel() * l.keys.element_size() * 2 for l in cache.layers if l.is_initialized)
+    """K and V bytes the cache holds, from its tensors."""
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.is_initialized)
 
 
 def device_bytes(model, cache: Cache) -> int:
@@ -96,22 +106,43 @@ def greedy_step(model, cache: Cache, token, position):
 class Decoder:
     """The model with a static cache, a compiled prefill per bucket and one compiled decode step.
 
-    ``decode_step(token, position)`` takes the last token and its position (both device
-    tensors of shape [1, 1]) and returns the next token and position, still on the device:
-    greedy argmax, no host round trip.
+    Args: ``model``, a Gemma 4 text model (``Gemma4ForCausalLM``) stripped of compressed-tensors'
+    wrappers, on ``backend``'s device; ``backend``, a ``Backend``; ``max_len``, the positions
+    the cache holds (prompt + new tokens); ``compile_options`` go to ``torch.compile``.
+
+    ``decode_step(token, position)``: ``token`` and ``position`` are int64 device tensors of
+    shape [1, 1]; returns the next token and ``position + 1``, same shapes, still on the device
+    (greedy argmax, no host round trip). ``step`` is the same, not compiled. With
+    ``tokens_per_call`` K > 1, ``generate`` calls ``decode_steps`` instead: K steps in one
+    compiled program, returning their tokens [1, K] and the last token and position.
+    ``prefill(ids)``: ``ids`` [1, L] int64 on the device; returns the first new token and its
+    position. ``generate(ids, new_tokens, ...)``: a list of at most ``new_tokens`` ints.
     """
 
-    def __init__(self, model, backend: Backend, max_len: int, **compile_options):
+    def __init__(self, model, backend: Backend, max_len: int, tokens_per_call: int = 1, **compile_options):
+        if tokens_per_call < 1:
+            raise ValueError(f"tokens_per_call={tokens_per_call}: one compiled call makes at least one token")
         self.model, self.backend, self.max_len = model, backend, max_len
+        self.tokens_per_call = tokens_per_call
         self.cache = self.new_cache(model, max_len)
-        self.decode_step = backend.compile(self._step, fullgraph=True, **compile_options)
+        self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
+        self.decode_steps = backend.compile(self.steps, fullgraph=True, **compile_options)
         self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
 
     def new_cache(self, model, max_len: int) -> Cache:
         return static_cache(model, max_len)
 
-    def _step(self, token, position):
+    def step(self, token, position):
         return greedy_step(self.model, self.cache, token, position)
+
+    def steps(self, token, position):
+        """``tokens_per_call`` decode steps in one program (unrolled by the trace), each token
+        fed to the next on the device: returns their tokens [1, K] and the last token and position."""
+        tokens = []
+        for _ in range(self.tokens_per_call):
+            token, position = self.step(token, position)
+            tokens.append(token)
+        return torch.cat(tokens, dim=1), token, position
 
     def _prefill(self, tokens, last):
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
@@ -139,31 +170,41 @@ class Decoder:
         return token, torch.tensor([[length]], device=ids.device)
 
     @torch.no_grad()
-    def generate(self, ids: torch.Tensor, new_tokens: int, readback_every: int = 16, on_tokens=None,
-                 stop_ids=None) -> list[int]:
+    def generate(
+        self, ids: torch.Tensor, new_tokens: int, readback_every: int = 16, on_tokens=None, stop_ids=None
+    ) -> list[int]:
         """Greedy tokens, at most ``new_tokens``: each chosen on the device and fed straight
         back; read to the host every ``readback_every`` tokens (1: every token) and at the end.
         Stops after the first of ``stop_ids`` (default: the model's, as ``generate``), checked
         once per readback, so without a host round trip per token; ``stop_ids=()``: exactly
         ``new_tokens`` (timing). ``on_tokens(chunk)`` sees each chunk as it is read."""
-        if ids.shape[1] + new_tokens > self.max_len:
-            raise ValueError(f"prompt {ids.shape[1]} + {new_tokens} new tokens exceed the cache's {self.max_len} positions")
+        k = self.tokens_per_call
+        if ids.shape[1] + new_tokens + k - 1 > self.max_len:
+            extra = f" (+ {k - 1}: the last call makes {k})" if k > 1 else ""
+            raise ValueError(
+                f"prompt {ids.shape[1]} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
+            )
         stops = set(g.stop_ids(self.model) if stop_ids is None else stop_ids)
         token, position = self.prefill(ids)
-        tokens, pending = [], [token]
+        tokens, pending, made = [], [token], 1
         while True:
-            last = len(tokens) + len(pending) == new_tokens
-            if last or len(pending) == readback_every:
+            last = made >= new_tokens
+            if last or made - len(tokens) >= readback_every:
                 self.backend.flush()
-                chunk = g.until_stop(torch.cat(pending, dim=1)[0].tolist(), stops)
+                chunk = g.until_stop(torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)], stops)
                 stopped, pending = chunk[-1] in stops, []
                 if on_tokens is not None:
                     on_tokens(chunk)
                 tokens += chunk
                 if last or stopped:
                     return tokens
-            token, position = self.decode_step(token, position)
-            pending.append(token)
+            if k == 1:
+                token, position = self.decode_step(token, position)
+                pending.append(token)
+            else:  # K tokens per call, read back with the rest
+                block, token, position = self.decode_steps(token, position)
+                pending.append(block)
+            made += k
 
 
 @contextlib.contextmanager
@@ -173,21 +214,25 @@ def no_recompiles():
         yield
 
 
-def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int) -> dict:
-    """One timed run of exactly ``new_tokens`` (no stop): prefill seconds, and decode tokens/s
-    over the tokens after the first (the whole run's time less that of a prefill timed alone
-    just before it); ``tokens`` up to the first stop id, for comparison."""
-    backend = decoder.backend
-    start = time.perf_counter()
-    token, position = decoder.prefill(ids)
-    token.cpu()
-    prefill_s = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens = decoder.generate(ids, new_tokens, readback_every, stop_ids=())
-    backend.sync()
-    total = time.perf_counter() - start
-    return {"tokens": g.until_stop(tokens, g.stop_ids(decoder.model)), "prefill_s": prefill_s,
-            "decode_tok_s": (new_tokens - 1) / max(total - prefill_s, 1e-9)}
+def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
+    """``repeats`` timed runs of exactly ``new_tokens`` (no stop), each after a prefill timed
+    alone: prefill seconds (median), and decode tokens/s over the tokens after the first (a
+    run's time less its prefill's), median and per run; ``tokens`` up to the first stop id."""
+    sync = decoder.backend.sync
+    prefills, runs = [], []
+    for _ in range(repeats):  # alternated, so both see the same state of a shared machine
+        prefills += time_fn(lambda: decoder.prefill(ids)[0], sync=sync, warmup=0, repeats=1).times
+        runs += time_fn(
+            decoder.generate, ids, new_tokens, readback_every, stop_ids=(), sync=sync, warmup=0, repeats=1
+        ).times
+    rates = [(new_tokens - 1) / max(run - prefill, 1e-9) for run, prefill in zip(runs, prefills)]
+    tokens = decoder.generate(ids, new_tokens, readback_every)
+    return {
+        "tokens": tokens,
+        "prefill_s": statistics.median(prefills),
+        "decode_tok_s": statistics.median(rates),
+        "rates": rates,
+    }
 
 
 def bytes_per_token(model, cache: Cache) -> int:
@@ -210,7 +255,9 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
 
-    compiled = torch.compile(functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True)
+    compiled = torch.compile(
+        functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True
+    )
     with torch.no_grad():
         logits = model(input_ids=ids, cache=cache, use_cache=True).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
@@ -227,29 +274,58 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
     return counts, None
 
 
-def compiled_run(backend: Backend, results, change_model=None, decoder_class=Decoder) -> dict:
-    """Notebook 04's recipe end to end for the tour: load, decompress, strip, optionally
-    ``change_model(model)`` (notebook 05 packs its table), compile, generate, time. Returns
-    same-tokens-as-the-reference, compilations, decode tok/s (median of 3) and the bytes of
-    weights and cache on the device, from their tensors."""
-    from . import generate as g
+def record(
+    results,
+    step: str,
+    label: str,
+    decoder: Decoder,
+    series,
+    tokens: list[int],
+    compiles: int,
+    source_tok_s: float,
+    runs: list[float] | None = None,
+) -> dict:
+    """A compiled step's row of the results table, the same from its notebook and the tour:
+    decode tok/s (median of 3 timed runs, or the given ``runs``) and their spread (fastest over
+    slowest: a busy machine shows here), same tokens as notebook 03, compilations, the bytes of
+    weights and cache on the device from their tensors, the 4-bit table's bytes if it has one,
+    and the roofline columns (bytes one step reads, GB/s, % of the read bandwidth)."""
+    from . import roofline
 
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
-    new_tokens = g.generation_length(backend)
-    reference = g.load_reference(checkpoint, backend, ids, new_tokens, results.path.parent)
-    with torch.no_grad():
-        model(ids)  # decompress, as generate would
-    strip_compressed_wrappers(model)
-    extra = change_model(model) if change_model else {}
+    if runs is None:
+        runs = timed_generate(decoder, series.ids, series.new_tokens, readback_every=16)["rates"]
+    bandwidth, _ = roofline.read_bandwidth(decoder.backend)
+    bytes_per_token = roofline.step_bytes(decoder.model, decoder.cache)
+    return results.add(
+        step,
+        label,
+        backend=decoder.backend.name,
+        decode_tok_s=statistics.median(runs),
+        tok_s_spread=max(runs) / min(runs),
+        same_tokens=tokens == series.reference,
+        compiles=compiles,
+        device_bytes=device_bytes(decoder.model, decoder.cache),
+        table_bytes=series.table["bytes after"] if series.table else None,
+        source_tok_s=source_tok_s,
+        **roofline.columns(bytes_per_token, statistics.median(runs), bandwidth),
+    )
+
+
+def compiled_run(
+    backend: Backend, results, step: str, label: str, source_tok_s: float, after: int = 4, decoder_class=Decoder
+) -> dict:
+    """A compiled step of the series end to end for the tour: the model as notebook ``after``
+    leaves it (``series.prepare``), a decoder of ``decoder_class``, generate, time; its row."""
+    from .series import prepare
+
+    series = prepare(backend, after, results.path.parent)
     torch._dynamo.reset()  # count what this step compiles, not a graph an earlier run left cached
-    decoder = decoder_class(model, backend, max_len=256)
+    decoder = decoder_class(series.model, backend, max_len=256)
     with backend.compile_counter() as count:
-        tokens = decoder.generate(ids, new_tokens)
-    runs = [timed_generate(decoder, ids, new_tokens, readback_every=16)["decode_tok_s"] for _ in range(3)]
-    return {"backend": backend.name, "decode_tok_s": sorted(runs)[1], "same_tokens": tokens == reference,
-            "compiles": count.graphs, "device_bytes": device_bytes(model, decoder.cache), **extra}
+        tokens = decoder.generate(series.ids, series.new_tokens)
+    return record(results, step, label, decoder, series, tokens, count.graphs, source_tok_s)
 
 
 def run_step(backend: Backend, results) -> dict:
     """The tour's compiled-decode step."""
-    return results.add(STEP, "compiled step", **compiled_run(backend, results), source_tok_s=SOURCE_TOK_S)
+    return compiled_run(backend, results, STEP, "compiled step", SOURCE_TOK_S)

@@ -14,15 +14,10 @@ from transformers import TextStreamer
 
 from .backend import Backend
 from .bench import run_dir
+from .checkpoint import generation_length
 
 STEP = "03 baseline"
 SOURCE_TOK_S = 5  # the source's figure, TPU v5e-1: HF generate, ~5 tok/s
-
-
-def generation_length(backend: Backend) -> int:
-    """Tokens generated per run in the series: 32; 8 on xla, where ``generate`` compiles a
-    new graph at every step."""
-    return 8 if backend.name == "xla" else 32
 
 
 def stop_ids(model) -> list[int]:
@@ -45,8 +40,16 @@ def greedy_config(model, new_tokens: int, stop: bool = True):
     does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
     ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
     config = copy.deepcopy(model.generation_config)
-    config.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=None, top_k=None, top_p=None,
-                  temperature=None, return_dict_in_generate=True, eos_token_id=stop_ids(model) if stop else [])
+    config.update(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        return_dict_in_generate=True,
+        eos_token_id=stop_ids(model) if stop else [],
+    )
     return config
 
 
@@ -99,8 +102,9 @@ def text_widget():
     return widget
 
 
-def generate(model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, stop: bool = True,
-             **kwargs):
+def generate(
+    model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, stop: bool = True, **kwargs
+):
     """Greedy HF ``generate``, streamed, stopping at the model's stop ids (``stop=False``:
     exactly ``new_tokens``); returns (generated token ids, the streamer, generate's output)."""
     streamer = StepStreamer(tokenizer, backend, widget)
@@ -108,10 +112,12 @@ def generate(model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: 
     config.update(**kwargs)  # e.g. cache_implementation="static"
     out = model.generate(ids, generation_config=config, streamer=streamer)
     backend.sync()
-    return out.sequences[0, ids.shape[1]:].tolist(), streamer, out
+    return out.sequences[0, ids.shape[1] :].tolist(), streamer, out
 
 
-def measure(model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs) -> dict:
+def measure(
+    model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs
+) -> dict:
     """Prefill seconds and decode tokens/s, each the median over ``repeats`` runs after
     ``warmup`` runs of exactly ``new_tokens`` (no stop: every run times the same count);
     every step ends with the token on the host, so the device is synced. ``tokens``: those
@@ -122,9 +128,14 @@ def measure(model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: i
         if i >= warmup:
             runs.append(streamer.step_seconds)
     prefill = statistics.median(r[0] for r in runs)
-    decode = statistics.median((len(r) - 1) / sum(r[1:]) for r in runs)
-    return {"prefill_s": prefill, "decode_tok_s": decode, "tokens": until_stop(tokens, stop_ids(model)),
-            "repeats": repeats}
+    rates = [(len(r) - 1) / sum(r[1:]) for r in runs]
+    return {
+        "prefill_s": prefill,
+        "decode_tok_s": statistics.median(rates),
+        "tok_s_spread": max(rates) / min(rates),
+        "tokens": until_stop(tokens, stop_ids(model)),
+        "repeats": repeats,
+    }
 
 
 # --- the reference tokens -------------------------------------------------------------------
@@ -134,7 +145,9 @@ def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: i
     return f"{checkpoint.name}|{backend.name}|prompt {prompt}|{new_tokens} tokens"
 
 
-def save_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None) -> str:
+def save_reference(
+    checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None
+) -> str:
     """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped)."""
     path = run_dir(folder) / "reference_tokens.json"
     saved = json.loads(path.read_text()) if path.exists() else {}
@@ -151,7 +164,9 @@ def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: 
     saved = json.loads(path.read_text()) if path.exists() else {}
     if key not in saved:
         known = "; ".join(saved) or "none"
-        raise LookupError(f"no reference tokens for {key} in {path} (saved: {known}): run notebook 03 first, same settings")
+        raise LookupError(
+            f"no reference tokens for {key} in {path} (saved: {known}): run notebook 03 first, same settings"
+        )
     return saved[key]
 
 
@@ -172,8 +187,13 @@ def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: i
         with backend.mode(mode):
             tokens, first, _ = generate(model, tokenizer, ids, backend, length)
             _, second, _ = generate(model, tokenizer, ids, backend, length)
-        calls[mode] = {"tokens": tokens, "first": first.step_seconds, "second": second.step_seconds,
-                       "programs_first": first.step_programs, "programs_second": second.step_programs}
+        calls[mode] = {
+            "tokens": tokens,
+            "first": first.step_seconds,
+            "second": second.step_seconds,
+            "programs_first": first.step_programs,
+            "programs_second": second.step_programs,
+        }
     return calls
 
 
@@ -181,8 +201,9 @@ def load_for_series(backend: Backend):
     """Notebook 02's checkpoint, tokenizer and the series' prompt, loaded as notebooks 03-06 use
     them: the default compressed path, except where unpacking on the device is not exact."""
     from . import checkpoint as ck
+    from . import hub
 
-    checkpoint = ck.choose_checkpoint(backend)
+    checkpoint = hub.choose_checkpoint(backend)
     dequantize = not ck.unpack_is_exact(backend.device)
     model, load_s = ck.load(checkpoint, backend, dtype=ck.series_dtype(checkpoint), dequantize=dequantize)
     tokenizer = ck.load_tokenizer(checkpoint)
@@ -197,17 +218,37 @@ def run_step(backend: Backend, results) -> dict:
     new_tokens = generation_length(backend)
     measured = measure(model, tokenizer, ids, backend, new_tokens)
     save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"], results.path.parent)
-    return results.add(STEP, "HF generate", backend=backend.name, decode_tok_s=measured["decode_tok_s"],
-                       prefill_s=measured["prefill_s"], source_tok_s=SOURCE_TOK_S)
+    return record(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
 
 
-def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int) -> list[int]:
+def record(results, backend: Backend, measured: dict, model, context: int) -> dict:
+    """Notebook 03's row of the results table (``measured``: what ``measure`` returns), the
+    same from the notebook and the tour, with the roofline: the weights as they are on the
+    device, and HF's dynamic cache at ``context`` positions (its sliding layers keep a window)."""
+    from . import roofline
+    from .e2b import kv_cache_bytes
+
+    bandwidth, _ = roofline.read_bandwidth(backend)
+    dtype_bytes = next(model.parameters()).element_size()
+    step = roofline.step_bytes(model) + kv_cache_bytes(model.config, context, ring=True, dtype_bytes=dtype_bytes)
+    keys = ("decode_tok_s", "tok_s_spread", "prefill_s")
+    return results.add(
+        STEP,
+        "HF generate",
+        backend=backend.name,
+        **{k: measured[k] for k in keys},
+        source_tok_s=SOURCE_TOK_S,
+        **roofline.columns(step, measured["decode_tok_s"], bandwidth),
+    )
+
+
+def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int, folder=None) -> list[int]:
     """Notebook 03's reference tokens from the run folder; where this run has none (a notebook
     opened on its own), HF generate makes them now, and says so."""
     try:
-        return load_reference(checkpoint, backend, ids, new_tokens)
+        return load_reference(checkpoint, backend, ids, new_tokens, folder)
     except LookupError:
         print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
         tokens, _, _ = generate(model, tokenizer, ids, backend, new_tokens)
-        save_reference(checkpoint, backend, ids, new_tokens, tokens)
+        save_reference(checkpoint, backend, ids, new_tokens, tokens, folder)
         return tokens

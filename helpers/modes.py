@@ -38,8 +38,15 @@ def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: i
             out = fn(x)
         del out
         executions = count.executions if backend.counts_executions(mode) else None
-        rows.append({"mode": mode, "median_ms": timing.median * 1e3, "min_ms": timing.min * 1e3,
-                     "max_ms": timing.max * 1e3, "executions_per_call": executions})
+        rows.append(
+            {
+                "mode": mode,
+                "median_ms": timing.median * 1e3,
+                "min_ms": timing.min * 1e3,
+                "max_ms": timing.max * 1e3,
+                "executions_per_call": executions,
+            }
+        )
     eager_ms = rows[0]["median_ms"]
     for row in rows:
         row["speedup_vs_eager"] = eager_ms / row["median_ms"]
@@ -75,6 +82,12 @@ def run_step(backend: Backend, results: Results, **options) -> list[dict]:
     rows = compare_modes(backend, **options)
     for row in rows:
         source = SOURCE_COMPILE_SPEEDUP if row["mode"] == "compile" else None
-        results.add(STEP, row["mode"], backend=backend.name, ms=row["median_ms"],
-                    speedup_vs_eager=row["speedup_vs_eager"], source_speedup=source)
+        results.add(
+            STEP,
+            row["mode"],
+            backend=backend.name,
+            ms=row["median_ms"],
+            speedup_vs_eager=row["speedup_vs_eager"],
+            source_speedup=source,
+        )
     return rows

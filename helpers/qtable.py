@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .twin import GROUP_SIZE
+from .packed import GROUP_SIZE
 
 STEP = "05 4-bit table"
 SOURCE_TOK_S = 50  # the source's figure, TPU v5e-1
@@ -62,7 +62,7 @@ def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[to
     return codes, scale.to(torch.bfloat16)
 
 
-def _dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes x scales rounded to bf16, as the QAT grid's values are (and compressed-tensors'
     bf16 dequantization gives), then in ``dtype``."""
     product = codes.float() * scales.float().repeat_interleave(GROUP_SIZE, dim=-1)
@@ -83,7 +83,13 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
 class QTable(torch.nn.Module):
     """A drop-in for Gemma 4's scaled word embedding (same call, same embed scale), holding
     the table as packed int4 with bf16 group scales; a lookup gathers the token's packed row
-    and its scales, then dequantizes only that row."""
+    and its scales, then dequantizes only that row.
+
+    Args: ``packed`` [rows, cols / 8] int32 (compressed-tensors' ``pack-quantized`` words, eight
+    codes -8..7 each, low nibble first); ``scales`` [rows, cols / 32] bf16 (either sign);
+    ``embed_scale``, the embedding's scalar factor; ``dtype``, that of the rows it returns.
+    ``forward(input_ids)``: int64 ids of any shape [...]; returns [..., cols] in ``dtype``, the
+    rows times the embed scale, as ``Gemma4TextScaledWordEmbedding`` does."""
 
     def __init__(self, packed: torch.Tensor, scales: torch.Tensor, embed_scale: float, dtype: torch.dtype):
         super().__init__()
@@ -107,7 +113,7 @@ class QTable(torch.nn.Module):
         starts = range(0, table.shape[0], ROWS_PER_BLOCK)
         codes, scales, missed, error = [], [], 0, 0.0
         for start in tqdm(starts, desc="recovering the 4-bit grid", disable=len(starts) < 4):
-            block = table[start:start + ROWS_PER_BLOCK].cpu()
+            block = table[start : start + ROWS_PER_BLOCK].cpu()
             c, sc, found = recover_grid(block)
             if not found.all():  # only the groups on no grid are quantized, by compressed-tensors
                 if exact_only:
@@ -116,15 +122,25 @@ class QTable(torch.nn.Module):
                 c = torch.where(found.repeat_interleave(GROUP_SIZE, dim=1), c, qc)
                 sc = torch.where(found, sc, qs)
                 missed += int((~found).sum())
-                error = max(error, (_dequantize(c, sc, block.dtype) - block).abs().max().item())
+                error = max(error, (dequantize(c, sc, block.dtype) - block).abs().max().item())
             codes.append(pack_to_int32(c, 4))
             scales.append(sc)
-        module = cls(torch.cat(codes).to(table.device), torch.cat(scales).to(table.device),
-                     embedding.scalar_embed_scale, table.dtype)
+        module = cls(
+            torch.cat(codes).to(table.device),
+            torch.cat(scales).to(table.device),
+            embedding.scalar_embed_scale,
+            table.dtype,
+        )
         groups = table.numel() // GROUP_SIZE
-        report = {"from": "the table's own 4-bit grid" if not missed else "its grid, compressed-tensors where off it",
-                  "exact grid": not missed, "groups": groups, "groups off the grid": missed, "max abs error": error,
-                  "bytes before": table.numel() * table.element_size(), "bytes after": module.nbytes()}
+        report = {
+            "from": "the table's own 4-bit grid" if not missed else "its grid, compressed-tensors where off it",
+            "exact grid": not missed,
+            "groups": groups,
+            "groups off the grid": missed,
+            "max abs error": error,
+            "bytes before": table.numel() * table.element_size(),
+            "bytes after": module.nbytes(),
+        }
         return module, report
 
     @classmethod
@@ -134,24 +150,34 @@ class QTable(torch.nn.Module):
         safetensors files directly: transformers' default path drops such an embedding's weight."""
         from safetensors import safe_open
 
-        from .checkpoint import _local_folder, checkpoint_key
+        from .hub import local_folder
+        from .packed import checkpoint_key
 
         key = checkpoint_key(f"model.{name}")
-        for path in sorted(_local_folder(checkpoint).glob("*.safetensors")):
+        for path in sorted(local_folder(checkpoint).glob("*.safetensors")):
             with safe_open(path, "pt") as f:
                 if f"{key}.weight_packed" not in f.keys():
                     continue
                 packed, scales = f.get_tensor(f"{key}.weight_packed"), f.get_tensor(f"{key}.weight_scale")
                 shape = tuple(f.get_tensor(f"{key}.weight_shape").tolist())
             if shape != (embedding.num_embeddings, embedding.embedding_dim):
-                raise ValueError(f"{key} is saved packed as {shape}, the model expects "
-                                 f"{(embedding.num_embeddings, embedding.embedding_dim)}")
+                raise ValueError(
+                    f"{key} is saved packed as {shape}, the model expects "
+                    f"{(embedding.num_embeddings, embedding.embedding_dim)}"
+                )
             device = embedding.weight.device
-            module = cls(packed.to(device), scales.to(torch.bfloat16).to(device), embedding.scalar_embed_scale,
-                         embedding.weight.dtype)
-            return module, {"from": f"packed in {path.name}", "exact grid": True,  # the checkpoint's own codes
-                            "bytes before": shape[0] * shape[1] * embedding.weight.element_size(),
-                            "bytes after": module.nbytes()}
+            module = cls(
+                packed.to(device),
+                scales.to(torch.bfloat16).to(device),
+                embedding.scalar_embed_scale,
+                embedding.weight.dtype,
+            )
+            return module, {
+                "from": f"packed in {path.name}",
+                "exact grid": True,  # the checkpoint's own codes
+                "bytes before": shape[0] * shape[1] * embedding.weight.element_size(),
+                "bytes after": module.nbytes(),
+            }
         return None
 
     def nbytes(self) -> int:
@@ -159,7 +185,7 @@ class QTable(torch.nn.Module):
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The dequantized rows of ``input_ids`` (any shape), in the table's dtype."""
-        return _dequantize(unpack_rows(self.packed[input_ids]), self.scales[input_ids], self.dtype)
+        return dequantize(unpack_rows(self.packed[input_ids]), self.scales[input_ids], self.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The whole table, dequantized (what a tied output head multiplies by)."""
@@ -199,33 +225,8 @@ def keep_embed_in_4bit(model) -> dict:
     return report
 
 
-def e2b_bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
-    """Device bytes by component at E2B scale after each step 02-05, computed on the meta
-    device (no weights): what the stacked chart of notebook 05 shows beside the twin."""
-    from .checkpoint import component_bytes, e2b_config, kv_cache_bytes, meta_model
-
-    config = e2b_config()
-    parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
-    kv = kv_cache_bytes(config, max_len)
-    embed, table, linears = parts["embed_tokens"], parts["embed_tokens_per_layer"], parts["linears"]
-    return {
-        "02 loaded": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"],
-                      "linears": linears["int4_bytes"]},
-        "03 after 1st forward": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"],
-                                 "linears": linears["bf16_bytes"]},
-        "04 compiled step": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"],
-                             "linears": linears["bf16_bytes"], "KV cache": kv},
-        "05 4-bit table": {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["int4_bytes"],
-                           "linears": linears["bf16_bytes"], "KV cache": kv},
-    }
-
-
 def run_step(backend, results) -> dict:
-    """The tour's 4-bit-table step: notebook 04's recipe with the table packed."""
+    """The tour's 4-bit-table step: notebook 04's compiled step on notebook 05's model."""
     from . import decode
 
-    def pack_table(model):
-        return {"table_bytes": keep_table_in_4bit(model)["bytes after"]}
-
-    return results.add(STEP, "4-bit table", **decode.compiled_run(backend, results, pack_table),
-                       source_tok_s=SOURCE_TOK_S)
+    return decode.compiled_run(backend, results, STEP, "4-bit table", SOURCE_TOK_S, after=5)

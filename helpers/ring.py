@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
+from .bench import time_fed, time_fn
 from .decode import Decoder, allocated_layers, cache_bytes, greedy_step
 
 STEP = "06 ring cache"
@@ -67,6 +68,12 @@ class RingCache(Cache):
     """The model's cache through ``past_key_values``/``cache``: ring layers for sliding
     attention, full layers for full attention, nothing for KV-sharing layers; all allocated now.
 
+    Args: ``model``, a Gemma 4 text model on its device (its dtype is the cache's);
+    ``max_len``, the positions a full layer holds (any size at least ``chunk_size``);
+    ``chunk_size``, the tokens per forward, 1..``sliding_window``. Sliding layers hold K and V
+    of shape [1, kv_heads, window, head_dim], full layers [1, kv_heads, max_len, head_dim];
+    ``slot_positions`` [window] int64 is the absolute position in each ring slot (-1: empty).
+
     Per chunk: ``masks(positions)`` for the model's ``attention_mask``, the forward with
     ``ring_positions`` and ``ring_valid``, then ``commit(positions, valid)`` records which
     position each ring slot now holds."""
@@ -75,16 +82,24 @@ class RingCache(Cache):
         config = model.config.get_text_config()
         self.window, self.max_len, self.chunk_size = config.sliding_window, max_len, chunk_size
         if not 0 < chunk_size <= self.window:
-            raise ValueError(f"chunk size {chunk_size} must be 1..{self.window} (the sliding window): a longer "
-                             "chunk would write two positions into one ring slot")
+            raise ValueError(
+                f"chunk size {chunk_size} must be 1..{self.window} (the sliding window): a longer "
+                "chunk would write two positions into one ring slot"
+            )
         if max_len < chunk_size:
-            raise ValueError(f"max_len {max_len} must be at least the chunk size {chunk_size}: the padded last "
-                             "chunk's positions past max_len wrap onto the first slots, which must be distinct")
+            raise ValueError(
+                f"max_len {max_len} must be at least the chunk size {chunk_size}: the padded last "
+                "chunk's positions past max_len wrap onto the first slots, which must be distinct"
+            )
         self.attn_implementation = config._attn_implementation
-        self.slot_positions = torch.full((self.window,), EMPTY, dtype=torch.long,
-                                         device=next(model.parameters()).device)
-        super().__init__(layers=allocated_layers(
-            model, lambda attn: RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)))
+        self.slot_positions = torch.full(
+            (self.window,), EMPTY, dtype=torch.long, device=next(model.parameters()).device
+        )
+        super().__init__(
+            layers=allocated_layers(
+                model, lambda attn: RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)
+            )
+        )
 
     def reset(self) -> None:
         """Forget every position (the buffers are not cleared: masks keep stale slots out)."""
@@ -115,7 +130,12 @@ class RingCache(Cache):
 
 class RingDecoder(Decoder):
     """Notebook 04's decoder on a ring cache: one compiled decode step for every position, and
-    one compiled prefill chunk of ``chunk_size`` tokens for prompts of any length."""
+    one compiled prefill chunk of ``chunk_size`` tokens for prompts of any length.
+
+    Args as ``Decoder``'s, plus ``chunk_size`` (default: the sliding window). ``max_len`` may
+    be any size (131,328 for the source's headline context). Same calls and shapes as
+    ``Decoder``; ``forward_chunk(tokens [1, C], positions [1, C], valid [C] bool)`` returns the
+    logits [1, C, vocab] and records the chunk's real positions in the ring."""
 
     def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, **compile_options):
         self.chunk_size = chunk_size or model.config.get_text_config().sliding_window
@@ -126,12 +146,19 @@ class RingDecoder(Decoder):
 
     def forward_chunk(self, tokens, positions, valid):
         """Logits for ``tokens`` [1, C] at ``positions`` [1, C] (``valid`` [C]: not padding)."""
-        logits = self.model(input_ids=tokens, position_ids=positions, attention_mask=self.cache.masks(positions[0]),
-                            cache=self.cache, use_cache=True, ring_positions=positions[0], ring_valid=valid).logits
+        logits = self.model(
+            input_ids=tokens,
+            position_ids=positions,
+            attention_mask=self.cache.masks(positions[0]),
+            cache=self.cache,
+            use_cache=True,
+            ring_positions=positions[0],
+            ring_valid=valid,
+        ).logits
         self.cache.commit(positions[0], valid)
         return logits
 
-    def _step(self, token, position):
+    def step(self, token, position):
         logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device))
         return logits[:, -1].argmax(-1, keepdim=True), position + 1
 
@@ -157,63 +184,64 @@ class RingDecoder(Decoder):
         self.cache.reset()
         for start, positions, valid in self.chunks(length, ids.device):
             tokens = torch.zeros(1, self.chunk_size, dtype=ids.dtype, device=ids.device)
-            tokens[:, :min(self.chunk_size, length - start)] = ids[:, start:start + self.chunk_size]
+            tokens[:, : min(self.chunk_size, length - start)] = ids[:, start : start + self.chunk_size]
             last = torch.tensor([min(length - 1 - start, self.chunk_size - 1)], device=ids.device)
             token = self.prefill_step(tokens, positions, valid, last)
         return token, torch.tensor([[length]], device=ids.device)
 
 
-def decode_ms(step, token, position, steps: int, backend) -> float:
-    """Median ms of ``steps`` decode steps, each fed the previous step's token and waited for."""
-    import statistics
-    import time
-
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        token, position = step(token, position)
-        backend.sync()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 @torch.no_grad()
-def context_sweep(decoder: RingDecoder, lengths, steps: int, hf_default: bool = True, eager: bool = False) -> list[dict]:
+def context_sweep(
+    decoder: RingDecoder, lengths, steps: int, hf_default: bool = True, eager: bool = False
+) -> list[dict]:
     """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled;
     also not compiled if ``eager``) and, if ``hf_default``, on HF's default cache (what
     ``generate`` builds: a ``DynamicCache``, whole-prompt prefill, eager), side by side; cache
     bytes measured from the cache tensors."""
     import functools
-    import time
 
     from tqdm.auto import tqdm
 
     backend, model, rows = decoder.backend, decoder.model, []
+
+    def ms_per_step(step, token, position):
+        return 1e3 * time_fed(step, (token, position), sync=backend.sync, repeats=steps).median
+
+    def once(fn, *args, **kwargs):  # a prefill: timed once, its output kept
+        return time_fn(fn, *args, sync=backend.sync, warmup=0, repeats=1, **kwargs)
+
     vocab = model.config.get_text_config().vocab_size
-    prompts = [torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device)
-               for n in lengths]
+    prompts = [
+        torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device) for n in lengths
+    ]
     decoder.generate(prompts[0], 2)  # compiles the prefill chunk and the step: every length reuses them
     for ids in tqdm(prompts, desc="contexts"):
         length = ids.shape[1]
-        start = time.perf_counter()
-        token, position = decoder.prefill(ids)
-        backend.sync()
-        row = {"context": length, "ring prefill s": time.perf_counter() - start,
-               "ring ms/token": decode_ms(decoder.decode_step, token, position, steps, backend),
-               "ring cache bytes": cache_bytes(decoder.cache)}
+        prefill = once(decoder.prefill, ids)
+        token, position = prefill.last
+        row = {
+            "context": length,
+            "ring prefill s": prefill.median,
+            "ring ms/token": ms_per_step(decoder.decode_step, token, position),
+            "ring cache bytes": cache_bytes(decoder.cache),
+        }
         if eager:
             token, position = decoder.prefill(ids)
-            row["ring eager ms/token"] = decode_ms(decoder._step, token, position, steps, backend)
+            row["ring eager ms/token"] = ms_per_step(decoder.step, token, position)
         if hf_default:
-            start = time.perf_counter()
-            out = model(ids, use_cache=True)
-            backend.sync()
-            row["HF prefill s"] = time.perf_counter() - start
+            prefill = once(model, ids, use_cache=True)
+            out = prefill.last
+            row["HF prefill s"] = prefill.median
             step = functools.partial(greedy_step, model, out.past_key_values)
-            row["HF ms/token"] = decode_ms(step, out.logits[:, -1].argmax(-1, keepdim=True),
-                                           torch.tensor([[length]], device=backend.device), steps, backend)
-            row["HF cache bytes"] = sum(t.numel() * t.element_size() for l in out.past_key_values.layers
-                                        for t in (l.keys, l.values) if t is not None)
+            row["HF ms/token"] = ms_per_step(
+                step, out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[length]], device=backend.device)
+            )
+            row["HF cache bytes"] = sum(
+                t.numel() * t.element_size()
+                for layer in out.past_key_values.layers
+                for t in (layer.keys, layer.values)
+                if t is not None
+            )
         rows.append(row)
     return rows
 
@@ -238,19 +266,8 @@ def plot_sweep(rows: list[dict]):
     return fig
 
 
-def closing_charts(results):
-    """The series' closing charts: decode tok/s for every step beside the source's figures,
-    and the bytes of weights and cache on the device for the steps that measured them."""
-    return (results.chart("decode_tok_s", "decode tokens/s, all steps", source="source_tok_s"),
-            results.chart("device_bytes", "weights + KV cache on the device (bytes, from the tensors)"))
-
-
 def run_step(backend, results) -> dict:
     """The tour's ring-cache step: notebook 05's model (4-bit table) on the ring cache."""
-    from . import decode, qtable
+    from . import decode
 
-    def pack_table(model):
-        return {"table_bytes": qtable.keep_table_in_4bit(model)["bytes after"]}
-
-    return results.add(STEP, "ring cache", **decode.compiled_run(backend, results, pack_table, RingDecoder),
-                       source_tok_s=SOURCE_TOK_S)
+    return decode.compiled_run(backend, results, STEP, "ring cache", SOURCE_TOK_S, after=5, decoder_class=RingDecoder)

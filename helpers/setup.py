@@ -33,7 +33,7 @@ CLASHES_WITH_TORCH_TPU = ("torch_xla",)
 # ask for a restart.
 RUNTIME_VERSION_WILL_DO = {"matplotlib": ">=3.5", "ipywidgets": ">=7.6", "tqdm": ">=4.60"}
 # Kept as the runtime has them: its own torch build, and tools only tests and CI need.
-NOT_FOR_NOTEBOOKS = {"torch", "jupytext", "nbval", "ipykernel", "pytest", "hypothesis"}
+NOT_FOR_NOTEBOOKS = {"torch", "jupytext", "nbval", "ipykernel", "pytest", "hypothesis", "ruff"}
 _TORCH_STACK = {"torch", "torch-tpu", "libtpu", "torch-xla", *TORCH_COMPANIONS}
 
 
@@ -155,5 +155,6 @@ def install_missing() -> Plan:
     if stale:
         raise RestartNeeded(
             f"installed over what this runtime had already imported ({', '.join(stale)}): "
-            "restart it (Runtime > Restart session), then run all cells again; nothing is reinstalled.")
+            "restart it (Runtime > Restart session), then run all cells again; nothing is reinstalled."
+        )
     return todo

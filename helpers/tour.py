@@ -12,13 +12,22 @@ import argparse
 
 from tqdm.auto import tqdm
 
-from . import checkpoint, decode, generate, modes, qtable, ring
+from . import checkpoint, decode, generate, modes, qtable, ring, roofline
 from .backend import get_backend
-from .bench import Results, run_dir
+from .bench import Results, closing_charts, run_dir
 
-STEPS = [("01 execution modes", modes.run_step), ("02 loading", checkpoint.run_step),
-         ("03 baseline generate", generate.run_step), ("04 compiled decode", decode.run_step),
-         ("05 4-bit table", qtable.run_step), ("06 ring cache", ring.run_step)]
+STEPS = [
+    ("01 execution modes", modes.run_step),
+    ("02 loading", checkpoint.run_step),
+    ("03 baseline generate", generate.run_step),
+    ("04 compiled decode", decode.run_step),
+    ("05 4-bit table", qtable.run_step),
+    ("06 ring cache", ring.run_step),
+    ("07 past the source", roofline.run_step),
+]
+
+
+NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -33,11 +42,40 @@ def main(argv: list[str] | None = None) -> None:
     for name, step in tqdm(STEPS, desc="tour", unit="step"):
         tqdm.write(f"== {name}")
         step(backend, results)
-    print(results.table(["step", "label", "backend", "ms", "speedup_vs_eager", "source_speedup", "load_s",
-                         "device_bytes", "same_tokens", "decode_tok_s", "prefill_s", "compiles", "source_tok_s"]))
-    results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP, log=True)
+    print(
+        results.table(
+            [
+                "step",
+                "label",
+                "backend",
+                "ms",
+                "speedup_vs_eager",
+                "source_speedup",
+                "load_s",
+                "device_bytes",
+                "same_tokens",
+                "decode_tok_s",
+                "prefill_s",
+                "compiles",
+                "source_tok_s",
+                "tok_s_spread",
+                "bytes_per_token",
+                "GB_per_s",
+                "pct_of_bw",
+            ]
+        )
+    )
+    noisy = [f"{r['step']} ({r['tok_s_spread']:.2f}x)" for r in results.rows() if (r.get("tok_s_spread") or 1) > NOISY]
+    if noisy:  # a busy machine: ratios between steps timed minutes apart are not to be trusted
+        print(
+            f"repeats disagree by more than {NOISY}x (fastest / slowest of 3) in: {', '.join(noisy)}; "
+            "rerun with nothing else running before comparing steps"
+        )
+    results.chart(
+        "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP, log=True
+    )
     results.chart("device_bytes", "model bytes on the device after a forward", step=checkpoint.STEP)
-    ring.closing_charts(results)
+    closing_charts(results)
     print(f"results and charts in {results.path.parent}/")
 
 

@@ -23,20 +23,42 @@ import pathlib
 
 import torch
 
-GROUP_SIZE = 32
+from .packed import GROUP_SIZE
+
 TWIN_VERSION = 3  # bump when the twin changes, so cached copies are rebuilt
 CACHE_VAR = "HELPERS_CACHE"
 
 TEXT_CONFIG = dict(
-    vocab_size=512, vocab_size_per_layer_input=512, hidden_size=64, hidden_size_per_layer_input=32,
-    intermediate_size=128, use_double_wide_mlp=True, num_hidden_layers=10, num_attention_heads=2,
-    num_key_value_heads=1, head_dim=32, global_head_dim=64, num_kv_shared_layers=4, sliding_window=16,
+    vocab_size=512,
+    vocab_size_per_layer_input=512,
+    hidden_size=64,
+    hidden_size_per_layer_input=32,
+    intermediate_size=128,
+    use_double_wide_mlp=True,
+    num_hidden_layers=10,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=32,
+    global_head_dim=64,
+    num_kv_shared_layers=4,
+    sliding_window=16,
     layer_types=["full_attention" if i % 5 == 4 else "sliding_attention" for i in range(10)],  # 4 sliding : 1 full
-    max_position_embeddings=4096, final_logit_softcapping=30.0, tie_word_embeddings=True,
-    pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    max_position_embeddings=4096,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=2,
 )
-VISION_CONFIG = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=2, head_dim=16, global_head_dim=16)
+VISION_CONFIG = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=16,
+)
 AUDIO_CONFIG = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, output_proj_dims=64)
 # Google's checkpoint packs the text decoder's linears only; the towers and lm_head stay bf16.
 IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
@@ -49,8 +71,10 @@ CHAT_TEMPLATE = (
 )
 # What the twin learns to answer: short turns about the course. The series' prompt is the first.
 CHATS = [
-    ("Explain why compilation matters on a TPU, in two sentences.",
-     "A TPU is fast when it is handed large programs. Compiling a step once lets every token reuse it."),
+    (
+        "Explain why compilation matters on a TPU, in two sentences.",
+        "A TPU is fast when it is handed large programs. Compiling a step once lets every token reuse it.",
+    ),
     ("What is the capital of France?", "Paris is the capital of France."),
     ("What does eager mode do?", "Eager mode runs one op at a time."),
     ("What does defer and fuse do?", "It records ops and runs them as one program."),
@@ -101,8 +125,12 @@ def _train(model, tokenizer, steps: int = TRAIN_STEPS) -> list[float]:
     """A few hundred AdamW steps on ``CHATS`` in chat format, each turn ending in <end_of_turn>,
     with the text decoder's weights snapped onto their 4-bit grids in every forward and the
     gradient passed straight through to the unsnapped copy (QAT's trick). Returns the losses."""
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                           tokenize=False) for q, a in CHATS]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
+        )
+        for q, a in CHATS
+    ]
     encoded = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     width = max(map(len, encoded))
     batch = torch.tensor([ids + [0] * (width - len(ids)) for ids in encoded])
@@ -146,11 +174,21 @@ def _tokenizer(folder: pathlib.Path):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TEXT_CONFIG["vocab_size"], special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TEXT_CONFIG["vocab_size"],
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS.splitlines(), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                   unk_token="<unk>", add_bos_token=False)  # like the real one: no BOS by itself
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        bos_token="<bos>",
+        unk_token="<unk>",
+        add_bos_token=False,
+    )  # like the real one: no BOS by itself
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
     return fast
@@ -177,8 +215,11 @@ def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int =
     key = "model.language_model.embed_tokens_per_layer"
     codes, scales, found = recover_grid(tensors.pop(f"{key}.weight"))
     assert found.all(), "the twin's table is on its grid"
-    tensors |= {f"{key}.weight_packed": pack_to_int32(codes, 4), f"{key}.weight_scale": scales,
-                f"{key}.weight_shape": torch.tensor(codes.shape)}
+    tensors |= {
+        f"{key}.weight_packed": pack_to_int32(codes, 4),
+        f"{key}.weight_scale": scales,
+        f"{key}.weight_shape": torch.tensor(codes.shape),
+    }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "twin.json").write_text((source / "twin.json").read_text())
     return folder
@@ -187,8 +228,12 @@ def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int =
 def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
     """Build (or reuse from the cache) the tiny twin checkpoint; returns its folder."""
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
-                                                 apply_quantization_config)
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig
 
@@ -203,15 +248,21 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
     model = Gemma4ForConditionalGeneration(config)
     losses = _train(model, tokenizer)
     model = model.to(torch.bfloat16).eval()  # lossless for the weights on their grids
-    scales = {module: on_grid(module.weight)[1] for module in model.model.language_model.modules()
-              if isinstance(module, torch.nn.Linear)}
+    scales = {
+        module: on_grid(module.weight)[1]
+        for module in model.model.language_model.modules()
+        if isinstance(module, torch.nn.Linear)
+    }
     answer = _greedy_answer(model, tokenizer)
     if not answer.endswith("<end_of_turn>"):
         raise RuntimeError(f"the twin did not learn to end its turn within {ANSWER_TOKENS} tokens: {answer!r}")
 
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP_SIZE)
-    qconfig = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-                                 ignore=IGNORE, format="pack-quantized")
+    qconfig = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        ignore=IGNORE,
+        format="pack-quantized",
+    )
     apply_quantization_config(model, qconfig)
     for module in model.modules():
         if hasattr(module, "weight_scale"):  # the grid's own scales, not an observer's estimate
@@ -228,12 +279,14 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
     save_file(tensors, path, metadata={"format": "pt"})
 
     stops = tokenizer.convert_tokens_to_ids(STOP_TOKENS)
-    GenerationConfig(bos_token_id=TEXT_CONFIG["bos_token_id"], pad_token_id=TEXT_CONFIG["pad_token_id"],
-                     eos_token_id=stops).save_pretrained(folder)
+    GenerationConfig(
+        bos_token_id=TEXT_CONFIG["bos_token_id"], pad_token_id=TEXT_CONFIG["pad_token_id"], eos_token_id=stops
+    ).save_pretrained(folder)
     # the real repository's processor files, which the text-only series never reads
     (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor"}))
-    (folder / "twin.json").write_text(json.dumps({"version": TWIN_VERSION, "seed": seed, "answer": answer,
-                                                  "loss": [losses[0], losses[-1]]}))
+    (folder / "twin.json").write_text(
+        json.dumps({"version": TWIN_VERSION, "seed": seed, "answer": answer, "loss": [losses[0], losses[-1]]})
+    )
     return folder
 
 
@@ -245,10 +298,15 @@ def _greedy_answer(model, tokenizer) -> str:
     as the series runs it."""
     from .checkpoint import PROMPT
 
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                        return_tensors="pt", return_dict=True).input_ids
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    ).input_ids
     with torch.no_grad():
-        out = model.float().generate(ids, max_new_tokens=ANSWER_TOKENS, do_sample=False,
-                                     eos_token_id=tokenizer.convert_tokens_to_ids(STOP_TOKENS))
+        out = model.float().generate(
+            ids,
+            max_new_tokens=ANSWER_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.convert_tokens_to_ids(STOP_TOKENS),
+        )
     model.to(torch.bfloat16)
-    return tokenizer.decode(out[0, ids.shape[1]:])
+    return tokenizer.decode(out[0, ids.shape[1] :])

@@ -41,20 +41,31 @@
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()
 
 # %%
@@ -71,8 +82,7 @@ print("modes here:", ", ".join(backend.modes))
 # keep a TPU busy on its own.
 
 # %%
-import inspect
-print(inspect.getsource(helpers.op_stack))
+helpers.show(helpers.op_stack)
 
 # %% [markdown]
 # ## Three modes, side by side
@@ -86,6 +96,7 @@ print(inspect.getsource(helpers.op_stack))
 
 # %%
 import torch
+
 results = helpers.Results()
 rows = helpers.modes.run_step(backend, results)
 print(helpers.bench.table(rows))
@@ -100,8 +111,9 @@ if "eager" in counted:
     assert counted["eager"] > 1 and all(n == 1 for m, n in counted.items() if m != "eager"), counted
 
 # %%
-fig = results.chart("speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup",
-                    step=helpers.modes.STEP, log=True)
+fig = results.chart(
+    "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=helpers.modes.STEP, log=True
+)
 
 # %% [markdown]
 # **What you should see:** on a TPU, compile far ahead of eager (the source's grey bar is

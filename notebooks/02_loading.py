@@ -39,20 +39,31 @@
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()
 
 # %%
@@ -73,8 +84,9 @@ print(backend.describe())
 
 # %%
 from helpers.bench import fmt_bytes, table
+
 print(table(helpers.checkpoint.name_map(checkpoint)))
-print("mapping given to from_pretrained(key_mapping=...):", helpers.checkpoint.KEY_MAPPING)
+print("mapping given to from_pretrained(key_mapping=...):", helpers.packed.KEY_MAPPING)
 
 # %% [markdown]
 # ## The E2B figures, computed without weights
@@ -85,8 +97,8 @@ print("mapping given to from_pretrained(key_mapping=...):", helpers.checkpoint.K
 # count bytes per component in bf16 and in int4 with bf16 scales.
 
 # %%
-e2b = helpers.checkpoint.e2b_config()
-components = helpers.checkpoint.component_bytes(helpers.checkpoint.meta_model(e2b))
+e2b = helpers.e2b.real_config()
+components = helpers.e2b.component_bytes(helpers.e2b.meta_model(e2b))
 print(table([{**r, "bf16": fmt_bytes(r["bf16_bytes"]), "int4": fmt_bytes(r["int4_bytes"])} for r in components]))
 by_name = {r["component"]: r for r in components}
 assert by_name["embed_tokens_per_layer"]["bf16_bytes"] == 4_697_620_480
@@ -106,7 +118,7 @@ v5e_hbm = 16 * 2**30
 print(helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=v5e_hbm, where="an empty v5e-1"))
 try:
     helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
-except helpers.checkpoint.CheckpointError as err:
+except helpers.hub.CheckpointError as err:
     print(err)
 
 # %% [markdown]
@@ -118,8 +130,10 @@ except helpers.checkpoint.CheckpointError as err:
 # %%
 device_before = backend.memory()
 model, load_s = helpers.checkpoint.load(checkpoint, backend)
-print(f"loaded in {load_s:.2f} s onto {backend.device}; lm_head tied to embed_tokens:",
-      model.lm_head.weight is model.model.embed_tokens.weight)
+print(
+    f"loaded in {load_s:.2f} s onto {backend.device}; lm_head tied to embed_tokens:",
+    model.lm_head.weight is model.model.embed_tokens.weight,
+)
 after_load = helpers.checkpoint.memory_report(model)
 print(table(after_load))
 print(table(helpers.checkpoint.compression_report(model)))
@@ -133,9 +147,10 @@ assert any(r["kind"] == "packed int4" for r in after_load)
 
 # %%
 import torch
+
 tokenizer = helpers.checkpoint.load_tokenizer(checkpoint)
 ids = helpers.checkpoint.chat_ids(tokenizer, backend.device)  # the series' chat prompt, BOS in front
-new_tokens = helpers.checkpoint.check_length(backend)  # 8; 3 on xla, where generate compiles every step
+new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla, where generate compiles every step
 with torch.no_grad():
     model(ids)
 backend.sync()
@@ -143,9 +158,18 @@ after_forward = helpers.checkpoint.memory_report(model)
 print(table(after_forward))
 print(table(helpers.checkpoint.compression_report(model)))
 if device_before is not None:
-    print("device memory in use, from the backend's counters:", fmt_bytes(device_before["in_use"]), "->",
-          fmt_bytes(backend.memory()["in_use"]))
-bf16 = lambda report: sum(r["bytes"] for r in report if r["kind"] == "bf16")
+    print(
+        "device memory in use, from the backend's counters:",
+        fmt_bytes(device_before["in_use"]),
+        "->",
+        fmt_bytes(backend.memory()["in_use"]),
+    )
+
+
+def bf16(report):
+    return sum(r["bytes"] for r in report if r["kind"] == "bf16")
+
+
 assert not any(r["kind"] == "packed int4" for r in after_forward) and bf16(after_forward) > bf16(after_load)
 results = helpers.Results()
 helpers.checkpoint.record(results, backend, "compressed (default)", model, load_s)
@@ -174,12 +198,22 @@ dense_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
 helpers.checkpoint.unload(model, backend)
 del model
 
+
 # %%
-by_kind = lambda report: {k: sum(r["bytes"] for r in report if r["kind"] == k) for k in dict.fromkeys(r["kind"] for r in report)}
-fig = helpers.bench.stacked_bars({"default,\nafter load": by_kind(after_load), "default,\nafter 1st forward": by_kind(after_forward),
-                                  "dequantize=True": by_kind(dense)},
-                                 f"{'tiny twin' if checkpoint.tiny else 'E2B'}: model bytes on {backend.device}",
-                                 ylabel="MB" if checkpoint.tiny else "GB", scale=1e6 if checkpoint.tiny else 1e9)
+def by_kind(report):
+    return {k: sum(r["bytes"] for r in report if r["kind"] == k) for k in dict.fromkeys(r["kind"] for r in report)}
+
+
+fig = helpers.bench.stacked_bars(
+    {
+        "default,\nafter load": by_kind(after_load),
+        "default,\nafter 1st forward": by_kind(after_forward),
+        "dequantize=True": by_kind(dense),
+    },
+    f"{'tiny twin' if checkpoint.tiny else 'E2B'}: model bytes on {backend.device}",
+    ylabel="MB" if checkpoint.tiny else "GB",
+    scale=1e6 if checkpoint.tiny else 1e9,
+)
 
 # %% [markdown]
 # ## Same tokens as the weights themselves

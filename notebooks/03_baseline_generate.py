@@ -37,27 +37,39 @@
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()
 
 # %% [markdown]
 # The model is loaded as in notebook 02: compressed-tensors' default path, except where
 # unpacking on the device is not exact (PyTorch/XLA), then `dequantize=True`. The tiny twin
-# runs in float32: its logits are nearly tied, and bf16 would round fused and unfused
-# programs differently (`helpers.checkpoint.series_dtype` says more). A TPU runs float32
+# runs in float32: later notebooks compare tokens of differently ordered sums on prompts it
+# never learned, where bf16 would round each program differently
+# (`helpers.checkpoint.series_dtype` says more). A TPU runs float32
 # matmuls in bf16 unless told otherwise, so there the loader sets
 # `torch.set_float32_matmul_precision("highest")` for the twin: a TPU-only line that no
 # machine building this course has run.
@@ -67,7 +79,7 @@ backend = helpers.get_backend()
 checkpoint, model, tokenizer, ids = helpers.generate.load_for_series(backend)
 print(checkpoint)
 print(backend.describe())
-new_tokens = helpers.generate.generation_length(backend)  # 32; 8 on xla
+new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla
 print(f"prompt: {ids.shape[1]} tokens, BOS first: {bool(ids[0, 0] == tokenizer.bos_token_id)}")
 print(tokenizer.decode(ids[0]))
 
@@ -85,17 +97,24 @@ print(tokenizer.decode(ids[0]))
 # %%
 calls = helpers.generate.first_and_second_call(model, tokenizer, ids, backend, new_tokens)
 for mode, call in calls.items():
-    counted = f"; programs compiled per step, first call: {call['programs_first']}" if call["programs_first"][0] is not None else ""
+    counted = (
+        f"; programs compiled per step, first call: {call['programs_first']}"
+        if call["programs_first"][0] is not None
+        else ""
+    )
     print(f"{mode}: first call {sum(call['first']):.2f} s, second call {sum(call['second']):.2f} s{counted}")
 counts = {f"{m}, first call": c["programs_first"] for m, c in calls.items() if c["programs_first"][0] is not None}
-fig = helpers.bench.step_plot({f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
-                              f"HF generate on {backend.name}: seconds per step", counts or None)
+fig = helpers.bench.step_plot(
+    {f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
+    f"HF generate on {backend.name}: seconds per step",
+    counts or None,
+)
 tokens = calls["eager"]["tokens"]
 if "defer_and_fuse" in calls:
     assert all(p > 0 for p in calls["defer_and_fuse"]["programs_first"]), "every new length compiles"
     assert sum(calls["defer_and_fuse"]["programs_second"]) == 0, "a second call reuses every program"
     deferred = calls["defer_and_fuse"]["tokens"]  # its first DEFER_AND_FUSE_TOKENS (8): each is a compile
-    same = deferred == tokens[:len(deferred)]
+    same = deferred == tokens[: len(deferred)]
     print("same tokens in both modes:", same)
     assert same or not checkpoint.tiny  # float32 twin: must agree; bf16 E2B: rounding may differ
 
@@ -114,8 +133,12 @@ if "defer_and_fuse" in calls:
 widget = helpers.generate.text_widget()
 with backend.compile_counter() as compiled:
     streamed, streamer, out = helpers.generate.generate(model, tokenizer, ids, backend, new_tokens, widget=widget)
-print("cache used by generate:", type(out.past_key_values).__name__,
-      "| torch.compile graphs during generate:", compiled.graphs)
+print(
+    "cache used by generate:",
+    type(out.past_key_values).__name__,
+    "| torch.compile graphs during generate:",
+    compiled.graphs,
+)
 print("text:", streamer.text)
 stops = helpers.generate.stop_ids(model)
 ended = bool(streamed) and streamed[-1] in stops
@@ -137,12 +160,14 @@ assert ended or not checkpoint.tiny or new_tokens < helpers.twin.ANSWER_TOKENS  
 
 # %%
 measured = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
-print(f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s "
-      f"(the source, TPU v5e-1: ~{helpers.generate.SOURCE_TOK_S} tok/s)")
+print(
+    f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s "
+    f"(the source, TPU v5e-1: ~{helpers.generate.SOURCE_TOK_S} tok/s)"
+)
 assert measured["tokens"] == tokens
 results = helpers.Results()
-results.add(helpers.generate.STEP, "HF generate", backend=backend.name, decode_tok_s=measured["decode_tok_s"],
-            prefill_s=measured["prefill_s"], source_tok_s=helpers.generate.SOURCE_TOK_S)
+# this step's row, as the tour writes it: the roofline at the run's mean context
+helpers.generate.record(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.generate.STEP)
 
 # %% [markdown]

@@ -36,29 +36,38 @@
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()
 
 # %%
 backend = helpers.get_backend()
-checkpoint, model, tokenizer, ids = helpers.generate.load_for_series(backend)
-print(checkpoint)
-print(backend.describe())
-new_tokens = helpers.generate.generation_length(backend)
-reference = helpers.generate.reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens)
+series = helpers.series.prepare(backend, after=3)  # the model as notebook 03 loaded it
+checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
+new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
 MAX_LEN = 256  # positions the static cache holds: prompt + new tokens must fit
 
 # %% [markdown]
@@ -69,6 +78,7 @@ MAX_LEN = 256  # positions the static cache holds: prompt + new tokens must fit
 
 # %%
 import torch
+
 with torch.no_grad():
     model(ids)  # the first forward: compressed-tensors decompresses here, as in notebook 02
 print(helpers.bench.table(helpers.checkpoint.compression_report(model)))
@@ -89,6 +99,16 @@ removed = helpers.decode.strip_compressed_wrappers(model)
 print(removed)
 report = {r["what"]: r["count"] for r in helpers.checkpoint.compression_report(model)}
 assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0, report
+
+# %% [markdown]
+# ## The step, and the loop around it
+# The whole lesson in a few lines: one decode step (the last token and its position in, the
+# next greedy token and position out, the cache written in place, every tensor on the device),
+# compiled once as `Decoder.decode_step`; the loop feeds each token straight back, reads the
+# tokens to the host once per chunk, and stops there after a stop id.
+
+# %%
+helpers.show(helpers.decode.greedy_step, helpers.decode.Decoder.generate)
 
 # %% [markdown]
 # ## One step, compiled once
@@ -116,8 +136,10 @@ other = helpers.checkpoint.chat_ids(tokenizer, backend.device, prompt="Why do sh
 with backend.compile_counter() as later, helpers.decode.no_recompiles():
     decoder.generate(ids, long_run, stop_ids=())  # exactly long_run tokens, past the end of turn
     decoder.generate(other, 4)
-print(f"then {long_run} tokens (to position {ids.shape[1] + long_run}, window {model.config.sliding_window})"
-      f" and a {other.shape[1]}-token prompt: {later.graphs} new graphs")
+print(
+    f"then {long_run} tokens (to position {ids.shape[1] + long_run}, window {model.config.sliding_window})"
+    f" and a {other.shape[1]}-token prompt: {later.graphs} new graphs"
+)
 assert later.graphs == 0 and decoder.bucket(other.shape[1]) == decoder.bucket(ids.shape[1])
 
 # %% [markdown]
@@ -142,31 +164,36 @@ assert sum(counts) > 1
 # same).
 
 # %%
-import statistics
 hf = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
-runs = {rb: [helpers.decode.timed_generate(decoder, ids, new_tokens, rb) for _ in range(3)] for rb in (1, 16)}
-ours = {rb: statistics.median(r["decode_tok_s"] for r in rs) for rb, rs in runs.items()}
+runs = {rb: helpers.decode.timed_generate(decoder, ids, new_tokens, rb) for rb in (1, 16)}  # 3 runs each
+ours = {rb: run["decode_tok_s"] for rb, run in runs.items()}
 step_bytes = helpers.decode.bytes_per_token(model, decoder.cache)
 ceiling = helpers.bench.copy_bandwidth(backend)
-rows = [{"loop": "HF generate", "decode_tok_s": hf["decode_tok_s"]},
-        {"loop": "compiled step, read back every token", "decode_tok_s": ours[1]},
-        {"loop": "compiled step, read back every 16", "decode_tok_s": ours[16]}]
+rows = [
+    {"loop": "HF generate", "decode_tok_s": hf["decode_tok_s"]},
+    {"loop": "compiled step, read back every token", "decode_tok_s": ours[1]},
+    {"loop": "compiled step, read back every 16", "decode_tok_s": ours[16]},
+]
 for row in rows:
     row["speedup_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
     row["GB_per_s"] = step_bytes * row["decode_tok_s"] / 1e9
     row["pct_of_copy_bw"] = 100 * step_bytes * row["decode_tok_s"] / ceiling
 print(helpers.bench.table(rows))
-print(f"bytes read per step: {helpers.bench.fmt_bytes(step_bytes)}; copy bandwidth measured here: "
-      f"{ceiling / 1e9:.1f} GB/s (the source's ceiling on a v5e-1: 819 GB/s)")
-assert all(r["tokens"] == reference for rs in runs.values() for r in rs)
+print(
+    f"bytes read per step: {helpers.bench.fmt_bytes(step_bytes)}; copy bandwidth measured here: "
+    f"{ceiling / 1e9:.1f} GB/s (the source's ceiling on a v5e-1: 819 GB/s)"
+)
+assert all(run["tokens"] == reference for run in runs.values())
 
 # %%
 results = helpers.Results()
-results.add(helpers.decode.STEP, "compiled step", backend=backend.name, decode_tok_s=ours[16],
-            speedup_vs_hf=ours[16] / hf["decode_tok_s"], GB_per_s=rows[2]["GB_per_s"],
-            pct_of_copy_bw=rows[2]["pct_of_copy_bw"], compiles=first.graphs, source_tok_s=helpers.decode.SOURCE_TOK_S)
+rates = runs[16]["rates"]  # the runs above, read back every 16 tokens
+step = helpers.decode.STEP
+helpers.decode.record(
+    results, step, "compiled step", decoder, series, tokens, first.graphs, helpers.decode.SOURCE_TOK_S, rates
+)
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
-print(results.table(["step", "label", "backend", "decode_tok_s", "source_tok_s", "speedup_vs_hf", "compiles"]))
+print(results.table(["step", "label", "backend", "decode_tok_s", "tok_s_spread", "source_tok_s", "compiles"]))
 
 # %% [markdown]
 # **What you should see:** the same tokens as notebook 03; two compilations (the prefill

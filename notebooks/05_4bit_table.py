@@ -36,40 +36,46 @@
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()
 
 # %%
 import torch
-backend = helpers.get_backend()
-checkpoint, model, tokenizer, ids = helpers.generate.load_for_series(backend)
-print(checkpoint)
-print(backend.describe())
-new_tokens = helpers.generate.generation_length(backend)
-reference = helpers.generate.reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens)
-with torch.no_grad():
-    model(ids)  # decompress, as in notebook 04
-helpers.decode.strip_compressed_wrappers(model)
 
-import statistics
-def decode_rate(decoder):  # median of 3 timed runs, read back every 16 tokens (notebook 04)
-    return statistics.median(helpers.decode.timed_generate(decoder, ids, new_tokens, 16)["decode_tok_s"] for _ in range(3))
+backend = helpers.get_backend()
+series = helpers.series.prepare(backend, after=4)  # notebook 04's model: decompressed, wrappers stripped
+checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
+new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
+
 decoder = helpers.decode.Decoder(model, backend, max_len=256)
 assert decoder.generate(ids, new_tokens) == reference
-rate_bf16_table = decode_rate(decoder)  # notebook 04's step, timed in this run for a side-by-side ratio
+rate_bf16_table = helpers.decode.timed_generate(decoder, ids, new_tokens, 16)[
+    "decode_tok_s"
+]  # notebook 04's step, timed in this run for a side-by-side ratio
 
 # %% [markdown]
 # ## The E2B figures, computed on the meta device
@@ -78,12 +84,24 @@ rate_bf16_table = decode_rate(decoder)  # notebook 04's step, timed in this run 
 
 # %%
 from helpers.bench import fmt_bytes, table
-e2b = {r["component"]: r for r in helpers.checkpoint.component_bytes(helpers.checkpoint.meta_model(helpers.checkpoint.e2b_config()))}
+
+e2b = {r["component"]: r for r in helpers.e2b.component_bytes(helpers.e2b.meta_model(helpers.e2b.real_config()))}
 ple = e2b["embed_tokens_per_layer"]
 saved = ple["bf16_bytes"] - ple["int4_bytes"]
-print(f"E2B per-layer table {ple['shape']}: {ple['bf16_bytes']:,} B in bf16 -> {ple['int4_bytes']:,} B in int4"
-      f" (saves {saved:,} B = {fmt_bytes(saved)})")
+print(
+    f"E2B per-layer table {ple['shape']}: {ple['bf16_bytes']:,} B in bf16 -> {ple['int4_bytes']:,} B in int4"
+    f" (saves {saved:,} B = {fmt_bytes(saved)})"
+)
 assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720
+
+# %% [markdown]
+# ## The lookup, in 4-bit
+# What runs inside the compiled step for every token: gather the token's packed row (eight
+# 4-bit codes per int32 word) and its group scales, unpack, multiply, round as bf16 rounds the
+# grid's products. Only the rows of the current tokens are ever dequantized.
+
+# %%
+helpers.show(helpers.qtable.QTable.rows, helpers.qtable.unpack_rows, helpers.qtable.dequantize)
 
 # %% [markdown]
 # ## Recover the grid, build the 4-bit table, swap it in
@@ -105,12 +123,16 @@ print(report)
 if report["exact grid"]:
     print("every group on its 4-bit grid: the table is kept exactly")
 else:
-    print(f"{report['groups off the grid']:,} of {report['groups']:,} groups on no 4-bit grid, quantized by "
-          f"compressed-tensors; largest error {report['max abs error']:.3g}")
+    print(
+        f"{report['groups off the grid']:,} of {report['groups']:,} groups on no 4-bit grid, quantized by "
+        f"compressed-tensors; largest error {report['max abs error']:.3g}"
+    )
 assert report["exact grid"] or not checkpoint.tiny  # the twin's table is on its grid, as QAT leaves it
 
 ids_to_check = torch.tensor([[0, old_table.num_embeddings - 1, 5, 5, 7], [1, 2, 3, 4, 5]], device=backend.device)
-random_ids = torch.randint(0, old_table.num_embeddings, (4, 64), generator=torch.Generator().manual_seed(0)).to(backend.device)
+random_ids = torch.randint(0, old_table.num_embeddings, (4, 64), generator=torch.Generator().manual_seed(0)).to(
+    backend.device
+)
 same_rows = all(torch.equal(qtable(c).cpu(), old_table(c).cpu()) for c in (ids_to_check, random_ids))
 print("rows equal bit for bit (first and last id, repeated ids, a batch of random ids):", same_rows)
 assert same_rows == report["exact grid"] or not checkpoint.tiny
@@ -122,7 +144,7 @@ if before is not None:
 print(table(helpers.checkpoint.memory_report(model)))
 
 # %%
-fig = helpers.bench.stacked_bars(helpers.qtable.e2b_bytes_by_step(), "E2B device bytes by component (computed, meta device)")
+fig = helpers.bench.stacked_bars(helpers.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)")
 
 # %% [markdown]
 # ## Same tokens, still one compile
@@ -141,13 +163,16 @@ with backend.compile_counter() as again, helpers.decode.no_recompiles():
 assert again.graphs == 0
 
 # %%
-rate = decode_rate(decoder)
+series.table = report  # the model is notebook 05's now
 results = helpers.Results()
-results.add(helpers.qtable.STEP, "4-bit table", backend=backend.name, decode_tok_s=rate, compiles=compiled.graphs,
-            same_tokens=tokens == reference, table_bytes=report["bytes after"], source_tok_s=helpers.qtable.SOURCE_TOK_S,
-            speedup_vs_04=rate / rate_bf16_table)
-print(f"decode {rate:.1f} tok/s with the 4-bit table, {rate_bf16_table:.1f} with the full table"
-      f" (both measured in this run): {rate / rate_bf16_table:.2f}x")
+row = helpers.decode.record(
+    results, helpers.qtable.STEP, "4-bit table", decoder, series, tokens, compiled.graphs, helpers.qtable.SOURCE_TOK_S
+)
+rate = row["decode_tok_s"]
+print(
+    f"decode {rate:.1f} tok/s with the 4-bit table, {rate_bf16_table:.1f} with the full table"
+    f" (both measured in this run): {rate / rate_bf16_table:.2f}x"
+)
 print(results.table(["step", "label", "backend", "decode_tok_s", "source_tok_s", "compiles", "same_tokens"]))
 
 # %% [markdown]
@@ -159,16 +184,20 @@ print(results.table(["step", "label", "backend", "decode_tok_s", "source_tok_s",
 
 # %%
 main = e2b["embed_tokens"]
-print(f"E2B embed_tokens {main['shape']}: {fmt_bytes(main['bf16_bytes'])} in bf16 -> {fmt_bytes(main['int4_bytes'])} in int4")
+print(
+    f"E2B embed_tokens {main['shape']}: {fmt_bytes(main['bf16_bytes'])} in bf16 -> {fmt_bytes(main['int4_bytes'])} in int4"
+)
 print(helpers.qtable.keep_embed_in_4bit(model))
 torch._dynamo.reset()
 decoder = helpers.decode.Decoder(model, backend, max_len=256)
 with backend.compile_counter() as compiled_main:
     tokens_main = decoder.generate(ids, new_tokens)
-rate_main = decode_rate(decoder)
-print(f"main table in 4-bit too: same tokens {tokens_main == reference}, {compiled_main.graphs} graphs,"
-      f" {rate_main:.1f} tok/s vs {rate:.1f} (this run): {rate_main / rate:.2f}x ->",
-      "worth keeping" if tokens_main == reference and rate_main > rate else "left off")
+rate_main = helpers.decode.timed_generate(decoder, ids, new_tokens, 16)["decode_tok_s"]
+print(
+    f"main table in 4-bit too: same tokens {tokens_main == reference}, {compiled_main.graphs} graphs,"
+    f" {rate_main:.1f} tok/s vs {rate:.1f} (this run): {rate_main / rate:.2f}x ->",
+    "worth keeping" if tokens_main == reference and rate_main > rate else "left off",
+)
 
 # %% [markdown]
 # **What you should see:** the table exact on its grid; the same tokens and one compiled

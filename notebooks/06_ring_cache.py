@@ -43,35 +43,42 @@
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
-import importlib.util, os, subprocess, sys
+import importlib.util
+import os
+import subprocess
+import sys
+
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 if importlib.util.find_spec("helpers") is None:
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
-        fetch = subprocess.run(["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
-                               capture_output=True, text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
         if fetch.returncode:
-            raise SystemExit(f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
-                             "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun.")
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
 import helpers
+
 helpers.install_missing()
 
 # %%
 import torch
+
 from helpers.bench import fmt_bytes, table
+
 backend = helpers.get_backend()
-checkpoint, model, tokenizer, ids = helpers.generate.load_for_series(backend)
-print(checkpoint)
-print(backend.describe())
-new_tokens = helpers.generate.generation_length(backend)
-reference = helpers.generate.reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens)
-with torch.no_grad():
-    model(ids)  # decompress, as in notebook 04
-helpers.decode.strip_compressed_wrappers(model)
-helpers.qtable.keep_table_in_4bit(model, checkpoint)
+series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
+checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
+new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
 config = model.config.get_text_config()
 print("sliding window:", config.sliding_window, "| layer kinds:", [t.split("_")[0] for t in config.layer_types])
 
@@ -81,17 +88,30 @@ print("sliding window:", config.sliding_window, "| layer kinds:", [t.split("_")[
 # (the last 20 share K/V and hold none), full-length against a ring for the sliding layers.
 
 # %%
-e2b = helpers.checkpoint.e2b_config().get_text_config()
+e2b = helpers.e2b.real_config().get_text_config()
 E2B_CONTEXT = 131_328
-full_e2b = helpers.checkpoint.kv_cache_bytes(e2b, E2B_CONTEXT)
-ring_e2b = helpers.checkpoint.kv_cache_bytes(e2b, E2B_CONTEXT, ring=True)
-print(f"E2B, {E2B_CONTEXT:,} positions: full-length caches {full_e2b:,} B ({fmt_bytes(full_e2b)}),"
-      f" ring {ring_e2b:,} B ({fmt_bytes(ring_e2b)})")
+full_e2b = helpers.e2b.kv_cache_bytes(e2b, E2B_CONTEXT)
+ring_e2b = helpers.e2b.kv_cache_bytes(e2b, E2B_CONTEXT, ring=True)
+print(
+    f"E2B, {E2B_CONTEXT:,} positions: full-length caches {full_e2b:,} B ({fmt_bytes(full_e2b)}),"
+    f" ring {ring_e2b:,} B ({fmt_bytes(ring_e2b)})"
+)
 assert ring_e2b == 813_170_688 and full_e2b == 2_420_637_696
-weights_e2b = {k: v for k, v in helpers.qtable.e2b_bytes_by_step()["05 4-bit table"].items() if k != "KV cache"}
-fig = helpers.bench.stacked_bars({"full-length caches": weights_e2b | {"KV cache": full_e2b},
-                                  "ring cache": weights_e2b | {"KV cache": ring_e2b}},
-                                 f"E2B device bytes at {E2B_CONTEXT:,} positions (computed, meta device)")
+weights_e2b = {k: v for k, v in helpers.e2b.bytes_by_step()["05 4-bit table"].items() if k != "KV cache"}
+fig = helpers.bench.stacked_bars(
+    {"full-length caches": weights_e2b | {"KV cache": full_e2b}, "ring cache": weights_e2b | {"KV cache": ring_e2b}},
+    f"E2B device bytes at {E2B_CONTEXT:,} positions (computed, meta device)",
+)
+
+# %% [markdown]
+# ## The ring, in a few lines
+# A sliding layer's update: attention gets the ring as it was followed by the chunk's own keys
+# (all that a query of the chunk may see), then the chunk's real positions are written into
+# slot `position % window`; padding never is. The masks come from the absolute position each
+# slot holds.
+
+# %%
+helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks)
 
 # %% [markdown]
 # ## The cache on this model
@@ -102,15 +122,20 @@ fig = helpers.bench.stacked_bars({"full-length caches": weights_e2b | {"KV cache
 W = config.sliding_window
 MAX_LEN = 68 * W  # positions the full layers hold: the longest context measured below (64 windows), plus room
 decoder = helpers.ring.RingDecoder(model, backend, max_len=MAX_LEN)
-layers = [{"layer": i, "kind": config.layer_types[i].split("_")[0],
-           "holds": "nothing (shares K/V)" if not c.is_initialized else f"{c.keys.shape[2]} positions"}
-          for i, c in enumerate(decoder.cache.layers)]
+layers = [
+    {
+        "layer": i,
+        "kind": config.layer_types[i].split("_")[0],
+        "holds": "nothing (shares K/V)" if not c.is_initialized else f"{c.keys.shape[2]} positions",
+    }
+    for i, c in enumerate(decoder.cache.layers)
+]
 print(table(layers))
 dtype_bytes = decoder.cache.layers[0].keys.element_size()
 ring_bytes = helpers.decode.cache_bytes(decoder.cache)
-full_bytes = helpers.checkpoint.kv_cache_bytes(config, MAX_LEN, dtype_bytes=dtype_bytes)
+full_bytes = helpers.e2b.kv_cache_bytes(config, MAX_LEN, dtype_bytes=dtype_bytes)
 print(f"ring cache: {fmt_bytes(ring_bytes)}; full-length caches would hold {fmt_bytes(full_bytes)}")
-assert ring_bytes == helpers.checkpoint.kv_cache_bytes(config, MAX_LEN, ring=True, dtype_bytes=dtype_bytes)
+assert ring_bytes == helpers.e2b.kv_cache_bytes(config, MAX_LEN, ring=True, dtype_bytes=dtype_bytes)
 
 # %% [markdown]
 # ## Same tokens, one decode program, one prefill program
@@ -146,7 +171,7 @@ decoder.generate(ids, 2)  # compile ours again after the reset
 
 # %%
 windows, checked = (20, new_tokens) if checkpoint.tiny else (3, 2)
-long_ids = ids.repeat(1, 1 + windows * W // ids.shape[1])[:, :windows * W + 5]
+long_ids = ids.repeat(1, 1 + windows * W // ids.shape[1])[:, : windows * W + 5]
 with backend.compile_counter() as again, helpers.decode.no_recompiles():
     long_tokens = decoder.generate(long_ids, checked, stop_ids=())
 reference_model = helpers.checkpoint.reference_model(checkpoint, helpers.checkpoint.series_dtype(checkpoint))
@@ -155,10 +180,12 @@ with torch.no_grad():
     for _ in range(checked):
         seq = torch.cat([seq, reference_model(seq, use_cache=False, logits_to_keep=1).logits[:, -1:].argmax(-1)], dim=1)
 helpers.checkpoint.unload(reference_model, helpers.get_backend("cpu"))
-same_long = long_tokens == seq[0, long_ids.shape[1]:].tolist()
-print(f"{long_ids.shape[1]}-token prompt ({long_ids.shape[1] / W:.1f} windows,"
-      f" {-(-long_ids.shape[1] // decoder.chunk_size)} chunks of {decoder.chunk_size}):"
-      f" {checked} tokens the same as with no cache: {same_long}, new graphs: {again.graphs}")
+same_long = long_tokens == seq[0, long_ids.shape[1] :].tolist()
+print(
+    f"{long_ids.shape[1]}-token prompt ({long_ids.shape[1] / W:.1f} windows,"
+    f" {-(-long_ids.shape[1] // decoder.chunk_size)} chunks of {decoder.chunk_size}):"
+    f" {checked} tokens the same as with no cache: {same_long}, new graphs: {again.graphs}"
+)
 assert same_long and again.graphs == 0
 
 # %% [markdown]
@@ -176,13 +203,15 @@ CONTEXT = E2B_CONTEXT if not checkpoint.tiny else E2B_CONTEXT // 64
 big = helpers.ring.RingDecoder(model, backend, max_len=CONTEXT)
 big_bytes = helpers.decode.cache_bytes(big.cache)
 print(f"ring cache for {CONTEXT:,} positions: {big_bytes:,} B ({fmt_bytes(big_bytes)})")
-assert big_bytes == helpers.checkpoint.kv_cache_bytes(config, CONTEXT, ring=True, dtype_bytes=dtype_bytes)
+assert big_bytes == helpers.e2b.kv_cache_bytes(config, CONTEXT, ring=True, dtype_bytes=dtype_bytes)
 assert checkpoint.tiny or big_bytes == 813_170_688
 far = CONTEXT * 100_005 // E2B_CONTEXT  # 100,005 on E2B
 far_ids = ids.repeat(1, 1 + far // ids.shape[1])[:, :far]
-run = helpers.decode.timed_generate(big, far_ids, 16, readback_every=16)
-print(f"prompt of {far:,} tokens in {-(-far // big.chunk_size)} chunks: prefill {run['prefill_s']:.1f} s, "
-      f"decode at context {far:,}: {run['decode_tok_s']:.1f} tok/s")
+run = helpers.decode.timed_generate(big, far_ids, 16, readback_every=16, repeats=1)
+print(
+    f"prompt of {far:,} tokens in {-(-far // big.chunk_size)} chunks: prefill {run['prefill_s']:.1f} s, "
+    f"decode at context {far:,}: {run['decode_tok_s']:.1f} tok/s"
+)
 del big
 
 # %% [markdown]
@@ -204,7 +233,9 @@ except ValueError as err:
 # whole-prompt prefill at 64 windows is the attention matrix the chunks avoid.
 
 # %%
-sweep = helpers.ring.context_sweep(decoder, [W, 4 * W, 16 * W, 64 * W], steps=8, hf_default=backend.name in ("cpu", "cuda"))
+sweep = helpers.ring.context_sweep(
+    decoder, [W, 4 * W, 16 * W, 64 * W], steps=8, hf_default=backend.name in ("cpu", "cuda")
+)
 print(table(sweep))
 fig = helpers.ring.plot_sweep(sweep)
 
@@ -214,13 +245,16 @@ fig = helpers.ring.plot_sweep(sweep)
 # this run folder beside the source's figures (TPU v5e-1, labelled as the source's).
 
 # %%
-import statistics
-rate = statistics.median(helpers.decode.timed_generate(decoder, ids, new_tokens, 16)["decode_tok_s"] for _ in range(3))
 results = helpers.Results()
-results.add(helpers.ring.STEP, "ring cache", backend=backend.name, decode_tok_s=rate, compiles=compiled.graphs,
-            same_tokens=tokens == reference, device_bytes=helpers.decode.device_bytes(model, decoder.cache), source_tok_s=helpers.ring.SOURCE_TOK_S)
-print(results.table(["step", "label", "backend", "decode_tok_s", "source_tok_s", "device_bytes", "compiles", "same_tokens"]))
-figs = helpers.ring.closing_charts(results)
+helpers.decode.record(
+    results, helpers.ring.STEP, "ring cache", decoder, series, tokens, compiled.graphs, helpers.ring.SOURCE_TOK_S
+)
+print(
+    results.table(
+        ["step", "label", "backend", "decode_tok_s", "source_tok_s", "device_bytes", "compiles", "same_tokens"]
+    )
+)
+figs = helpers.bench.closing_charts(results)
 
 # %% [markdown]
 # **What you should see:** the E2B cache at 813,170,688 bytes for 131,328 positions (a third

@@ -4,11 +4,10 @@ import sys
 
 import pytest
 import torch
+from conftest import needs_xla
 
 import helpers
 from helpers.backend import BACKENDS, MODES, BackendError, get_backend
-
-from conftest import needs_xla
 
 
 def _one_line(err: pytest.ExceptionInfo) -> str:

@@ -7,12 +7,12 @@ import torch
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import twin
+from helpers import e2b, hub, packed, twin
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return ck.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
+    return hub.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
 
 
 def _one_line(err):
@@ -21,18 +21,21 @@ def _one_line(err):
     return text
 
 
-@pytest.mark.parametrize("ckpt, text", [
-    ("model.language_model.layers.3.mlp.up_proj.weight_packed", "model.layers.3.mlp.up_proj.weight_packed"),
-    ("model.language_model.embed_tokens_per_layer.weight", "model.embed_tokens_per_layer.weight"),
-    ("lm_head.weight", "lm_head.weight"),
-])
+@pytest.mark.parametrize(
+    "ckpt, text",
+    [
+        ("model.language_model.layers.3.mlp.up_proj.weight_packed", "model.layers.3.mlp.up_proj.weight_packed"),
+        ("model.language_model.embed_tokens_per_layer.weight", "model.embed_tokens_per_layer.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ],
+)
 def test_name_mapping_both_ways(ckpt, text):
-    assert ck.text_key(ckpt) == text and ck.checkpoint_key(text) == ckpt
+    assert packed.text_key(ckpt) == text and packed.checkpoint_key(text) == ckpt
 
 
 def test_towers_map_to_nothing():
-    assert ck.text_key("model.vision_tower.encoder.layers.0.mlp.fc1.weight") is None
-    assert ck.text_key("model.audio_tower.layers.0.norm_out.weight") is None
+    assert packed.text_key("model.vision_tower.encoder.layers.0.mlp.fc1.weight") is None
+    assert packed.text_key("model.audio_tower.layers.0.norm_out.weight") is None
 
 
 def test_name_map_accounts_for_every_tensor(tiny):
@@ -43,26 +46,29 @@ def test_name_map_accounts_for_every_tensor(tiny):
 
 
 def test_e2b_bytes_on_the_meta_device_equal_the_reference_figures():
-    rows = {r["component"]: r for r in ck.component_bytes(ck.meta_model(ck.e2b_config()))}
+    rows = {r["component"]: r for r in e2b.component_bytes(e2b.meta_model(e2b.real_config()))}
     assert (rows["embed_tokens"]["bf16_bytes"], rows["embed_tokens"]["int4_bytes"]) == (805_306_368, 226_492_416)
-    assert (rows["embed_tokens_per_layer"]["bf16_bytes"], rows["embed_tokens_per_layer"]["int4_bytes"]) == (4_697_620_480, 1_321_205_760)
+    assert (rows["embed_tokens_per_layer"]["bf16_bytes"], rows["embed_tokens_per_layer"]["int4_bytes"]) == (
+        4_697_620_480,
+        1_321_205_760,
+    )
     assert rows["lm_head copy"]["bf16_bytes"] == 805_306_368
     assert rows["embed_tokens_per_layer"]["shape"] == [262144, 8960]
 
 
 def test_e2b_kv_cache_bytes_equal_the_reference_figures():
-    e2b = ck.e2b_config()
-    assert ck.kv_cache_bytes(e2b, 131_328) == 2_420_637_696  # 15 cache-owning layers, full length
-    assert ck.kv_cache_bytes(e2b, 131_328, ring=True) == 813_170_688  # sliding layers keep 512 slots
+    config = e2b.real_config()
+    assert e2b.kv_cache_bytes(config, 131_328) == 2_420_637_696  # 15 cache-owning layers, full length
+    assert e2b.kv_cache_bytes(config, 131_328, ring=True) == 813_170_688  # sliding layers keep 512 slots
 
 
 def test_preflight_refuses_with_the_numbers_and_what_to_change():
-    e2b, cpu = ck.e2b_config(), helpers.get_backend("cpu")
-    with pytest.raises(ck.CheckpointError) as err:
-        ck.preflight(e2b, cpu, dequantize=True, available=4 * 10**9, where="v5e-1")
+    config, cpu = e2b.real_config(), helpers.get_backend("cpu")
+    with pytest.raises(hub.CheckpointError) as err:
+        ck.preflight(config, cpu, dequantize=True, available=4 * 10**9, where="v5e-1")
     text = _one_line(err)
     assert "9.26 GB" in text and "4.00 GB" in text and "HELPERS_MODEL=tiny" in text
-    assert "fits" in ck.preflight(e2b, cpu, dequantize=True, available=16 * 2**30)
+    assert "fits" in ck.preflight(config, cpu, dequantize=True, available=16 * 2**30)
 
 
 def test_missing_token_is_one_clear_line_before_any_download(monkeypatch):
@@ -70,8 +76,8 @@ def test_missing_token_is_one_clear_line_before_any_download(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
-    with pytest.raises(ck.CheckpointError) as err:
-        ck.load(ck.Checkpoint(ck.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
+    with pytest.raises(hub.CheckpointError) as err:
+        ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
     assert "HF_TOKEN" in _one_line(err)
 
 
@@ -87,8 +93,8 @@ def test_licence_not_accepted_is_one_clear_line(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     monkeypatch.setattr(huggingface_hub, "auth_check", gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
-    with pytest.raises(ck.CheckpointError) as err:
-        ck.load(ck.Checkpoint(ck.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
+    with pytest.raises(hub.CheckpointError) as err:
+        ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
     assert "accept the Gemma licence at https://huggingface.co/google/" in _one_line(err)
     assert "HELPERS_MODEL" in str(err.value)
 
@@ -102,7 +108,7 @@ def test_a_token_stored_by_login_is_found(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_TOKEN", raising=False)
     (tmp_path / "token").write_text("hf_from_login\n")  # where huggingface_hub.login() stores it
     monkeypatch.setattr(huggingface_hub.constants, "HF_TOKEN_PATH", str(tmp_path / "token"))
-    assert ck.hf_token() == "hf_from_login"
+    assert hub.hf_token() == "hf_from_login"
 
 
 def _hub_down(monkeypatch, error):
@@ -119,13 +125,15 @@ def test_hub_unreachable_takes_the_twin_with_one_line_saying_why(monkeypatch, tm
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    request = httpx2.Request("GET", f"https://huggingface.co/api/models/{ck.REPO_ID}/auth-check")
-    errors = {"offline": OfflineModeIsEnabled("offline mode is enabled"),
-              "connect": httpx2.ConnectError("[Errno 111] Connection refused", request=request),
-              "503": HfHubHTTPError("503 Service Unavailable", response=httpx2.Response(503, request=request))}
+    request = httpx2.Request("GET", f"https://huggingface.co/api/models/{hub.REPO_ID}/auth-check")
+    errors = {
+        "offline": OfflineModeIsEnabled("offline mode is enabled"),
+        "connect": httpx2.ConnectError("[Errno 111] Connection refused", request=request),
+        "503": HfHubHTTPError("503 Service Unavailable", response=httpx2.Response(503, request=request)),
+    }
     _hub_down(monkeypatch, errors[error])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
-    chosen = ck.choose_checkpoint(TPU)
+    chosen = hub.choose_checkpoint(TPU)
     assert chosen.tiny and "the Hub is unreachable" in str(chosen) and "nothing is cached" in str(chosen)
     assert "\n" not in str(chosen)
 
@@ -142,9 +150,9 @@ def test_hub_unreachable_takes_the_cached_snapshot(monkeypatch, tmp_path):
     (snapshot / "config.json").write_text("{}")
     _hub_down(monkeypatch, OfflineModeIsEnabled("offline mode is enabled"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
-    chosen = ck.choose_checkpoint(TPU)
-    assert not chosen.tiny and chosen.source == ck.REPO_ID and "cached snapshot" in chosen.reason
-    assert ck._local_folder(chosen) == snapshot
+    chosen = hub.choose_checkpoint(TPU)
+    assert not chosen.tiny and chosen.source == hub.REPO_ID and "cached snapshot" in chosen.reason
+    assert hub.local_folder(chosen) == snapshot
 
 
 def test_unload_leaves_no_tensor_behind_even_with_compressed_tensors_cycles(tiny, capsys):
@@ -160,21 +168,21 @@ def test_unload_leaves_no_tensor_behind_even_with_compressed_tensors_cycles(tiny
 
 def test_not_a_gemma_checkpoint_is_one_clear_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ck.CheckpointError) as err:
+    with pytest.raises(hub.CheckpointError) as err:
         ck.read_config(tmp_path)
     assert "'llama'" in _one_line(err) and "Gemma 4" in str(err.value)
-    with pytest.raises(ck.CheckpointError) as err:
+    with pytest.raises(hub.CheckpointError) as err:
         ck.read_config(tmp_path / "nowhere")
     assert "config.json" in _one_line(err)
 
 
 def test_choose_checkpoint_without_a_tpu_takes_the_twin_and_says_why(monkeypatch):
     monkeypatch.delenv("HELPERS_MODEL", raising=False)
-    chosen = ck.choose_checkpoint(helpers.get_backend("cpu"))
+    chosen = hub.choose_checkpoint(helpers.get_backend("cpu"))
     assert chosen.tiny and "no TPU" in str(chosen)
     monkeypatch.setenv("HELPERS_MODEL", "some/repo")
     monkeypatch.setenv("HELPERS_REVISION", "abc123")
-    assert str(ck.choose_checkpoint(helpers.get_backend("cpu"))).startswith("real checkpoint: some/repo @ abc123")
+    assert str(hub.choose_checkpoint(helpers.get_backend("cpu"))).startswith("real checkpoint: some/repo @ abc123")
 
 
 def test_default_path_holds_packed_int4_and_wrappers_until_the_first_forward(tiny, backend):
@@ -205,6 +213,7 @@ def test_memory_report_counts_tied_weights_once(tiny):
 
 def test_a_checkpoint_missing_a_text_tensor_is_refused(tiny, tmp_path):
     import shutil
+
     from safetensors.torch import load_file, save_file
 
     broken = tmp_path / "broken"
@@ -212,8 +221,8 @@ def test_a_checkpoint_missing_a_text_tensor_is_refused(tiny, tmp_path):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.language_model.layers.0.mlp.up_proj.weight_packed"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ck.CheckpointError, match="lacks"):
-        ck.load(ck.Checkpoint(str(broken), None, True, "test"), helpers.get_backend("cpu"))
+    with pytest.raises(hub.CheckpointError, match="lacks"):
+        ck.load(hub.Checkpoint(str(broken), None, True, "test"), helpers.get_backend("cpu"))
 
 
 def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact(tiny, backend):

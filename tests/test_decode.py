@@ -6,6 +6,7 @@ import torch
 from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import generate as g
+from helpers import hub
 
 
 @pytest.fixture(scope="module")
@@ -13,10 +14,14 @@ def setup():
     import helpers
 
     backend = helpers.get_backend()
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
-    n = g.generation_length(backend)
-    reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
-    d.strip_compressed_wrappers(model)
+    series = helpers.series.prepare(backend, after=4)  # HF generate's reference, then stripped
+    model, tokenizer, ids, n, reference = (
+        series.model,
+        series.tokenizer,
+        series.ids,
+        series.new_tokens,
+        series.reference,
+    )
     torch._dynamo.reset()
     decoder = d.Decoder(model, backend, max_len=128)
     with backend.compile_counter() as count:
@@ -25,7 +30,7 @@ def setup():
 
 
 def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(backend):
-    checkpoint = ck.choose_checkpoint(backend)
+    checkpoint = hub.choose_checkpoint(backend)
     if not ck.unpack_is_exact(backend.device):
         pytest.skip("the default path cannot be checked where unpacking on the device is wrong")
     model, _ = ck.load(checkpoint, backend, dtype=torch.float32)  # still packed: stripping decompresses it
@@ -37,7 +42,9 @@ def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(bac
     assert not any(hasattr(m, "weight_scale") or hasattr(m, "quantization_scheme") for m in model.modules())
     ids = torch.tensor([[2, 7, 9, 11]], device=backend.device)
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, use_cache=False).logits, dense(ids, use_cache=False).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            model(ids, use_cache=False).logits, dense(ids, use_cache=False).logits, rtol=0, atol=0
+        )
 
 
 def test_one_prefill_and_one_step_compile_and_the_tokens_are_generates(setup):
@@ -49,7 +56,10 @@ def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(se
     backend, model, tokenizer, ids, _, decoder, _, _ = setup
     long_run = decoder.max_len - decoder.bucket(ids.shape[1])
     assert ids.shape[1] + long_run > 4 * model.config.sliding_window
-    others = [ck.chat_ids(tokenizer, backend.device, prompt=p) for p in ("Why do shapes matter?", "What does a ring buffer keep?")]
+    others = [
+        ck.chat_ids(tokenizer, backend.device, prompt=p)
+        for p in ("Why do shapes matter?", "What does a ring buffer keep?")
+    ]
     assert all(decoder.bucket(o.shape[1]) == decoder.bucket(ids.shape[1]) for o in others)
     with backend.compile_counter() as count, d.no_recompiles():
         assert len(decoder.generate(ids, long_run, stop_ids=())) == long_run  # past the end of turn, exactly
@@ -98,5 +108,6 @@ def test_bytes_per_token_counts_weights_once_and_the_cache(setup):
     _, model, _, _, _, decoder, _, _ = setup
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     cache = d.cache_bytes(decoder.cache)
-    assert cache == sum(2 * l.keys.numel() * l.keys.element_size() for l in decoder.cache.layers if l.is_initialized) > 0
+    layers = [layer for layer in decoder.cache.layers if layer.is_initialized]
+    assert cache == sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers) > 0
     assert cache < d.bytes_per_token(model, decoder.cache) < weights + cache  # the per-layer table: one row only

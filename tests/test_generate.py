@@ -1,11 +1,10 @@
 """The baseline: greedy HF generate, per-step timing, measurement, reference tokens, the xla trap."""
 
 import pytest
+from conftest import needs_xla
 
 from helpers import checkpoint as ck
 from helpers import generate as g
-
-from conftest import needs_xla
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +40,13 @@ SHORT_ANSWER = "What is the capital of France?"  # the twin answers in a few tok
 def test_generate_stops_at_the_end_of_turn_and_the_exact_count_mode_does_not(setup):
     backend, _, model, tokenizer, _ = setup
     ids = ck.chat_ids(tokenizer, backend.device, prompt=SHORT_ANSWER)
-    stopped, _, _ = g.generate(model, tokenizer, ids, backend, 16)
-    assert len(stopped) < 16 and stopped[-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    stopped, _, _ = g.generate(model, tokenizer, ids, backend, 10)
+    assert len(stopped) < 10 and stopped[-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
     assert tokenizer.decode(stopped, skip_special_tokens=True) == "Paris is the capital of France."
-    exact, _, _ = g.generate(model, tokenizer, ids, backend, 16, stop=False)
-    assert len(exact) == 16 and exact[:len(stopped)] == stopped
+    exact, _, _ = g.generate(model, tokenizer, ids, backend, 10, stop=False)
+    assert len(exact) == 10 and exact[: len(stopped)] == stopped
     assert g.until_stop(exact, g.stop_ids(model)) == stopped
-    assert ck.greedy_tokens(model, ids, 16) == stopped
+    assert ck.greedy_tokens(model, ids, 10) == stopped
 
 
 def test_measure_reports_medians_and_the_same_tokens(setup):
@@ -59,7 +58,7 @@ def test_measure_reports_medians_and_the_same_tokens(setup):
 
 def test_reference_tokens_round_trip_and_a_fresh_load_reproduces_them(setup, tmp_path):
     backend, checkpoint, model, tokenizer, ids = setup
-    n = g.generation_length(backend)
+    n = ck.generation_length(backend)
     tokens, _, _ = g.generate(model, tokenizer, ids, backend, n)
     g.save_reference(checkpoint, backend, ids, n, tokens, tmp_path)
     _, fresh, _, _ = g.load_for_series(backend)

@@ -17,7 +17,10 @@ def test_there_are_notebooks():
 def test_ipynb_matches_its_py_percent_source(source):
     twin = source.with_suffix(".ipynb")
     assert twin.exists(), f"{twin.name} missing: run jupytext --sync {source.name}"
-    cells = lambda nb: [(c.cell_type, c.source) for c in nb.cells]
+
+    def cells(nb):
+        return [(c.cell_type, c.source) for c in nb.cells]
+
     assert cells(jupytext.read(twin)) == cells(jupytext.read(source)), f"run: jupytext --sync notebooks/{source.name}"
 
 

@@ -6,10 +6,11 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
+from helpers import checkpoint as ck
 from helpers import decode as d
+from helpers import e2b, hub, twin
 from helpers import generate as g
 from helpers import qtable as q
-from helpers import twin
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +87,15 @@ def _on_some_grid(group: torch.Tensor) -> bool:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.lists(st.integers(-8, 8), min_size=4, max_size=4), st.integers(0x3000, 0x4800),
-                          st.integers(-3, 3)), min_size=1, max_size=8))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(-8, 8), min_size=4, max_size=4), st.integers(0x3000, 0x4800), st.integers(-3, 3)
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
 def test_recover_grid_agrees_with_an_exhaustive_search_over_bf16_scales(groups):
     rows = []
     for codes, bits, nudge in groups:  # on a grid, then one value nudged by a few bf16 steps
@@ -110,7 +118,9 @@ def test_groups_on_no_grid_fall_back_to_compressed_tensors_and_the_report_counts
     module, report = q.QTable.from_embedding(table)
     assert not report["exact grid"] and report["groups off the grid"] == 1 and report["groups"] == 64 * 3
     rows = module.rows(torch.arange(64))
-    assert torch.equal(rows[4:], table.weight[4:]) and torch.equal(rows[3, 32:], table.weight[3, 32:])  # exact elsewhere
+    assert torch.equal(rows[4:], table.weight[4:]) and torch.equal(
+        rows[3, 32:], table.weight[3, 32:]
+    )  # exact elsewhere
     assert 0 < report["max abs error"] == (rows[3, :32] - table.weight[3, :32]).abs().max().item()
 
 
@@ -118,8 +128,12 @@ def test_rows_equal_the_tables_bit_for_bit_for_edge_and_random_ids():
     table = _grid_table()
     module, report = q.QTable.from_embedding(table)
     assert report["exact grid"]
-    for ids in (torch.tensor([[0]]), torch.tensor([[63]]), torch.tensor([[5, 5, 5, 0, 63]]),
-                torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(1))):
+    for ids in (
+        torch.tensor([[0]]),
+        torch.tensor([[63]]),
+        torch.tensor([[5, 5, 5, 0, 63]]),
+        torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(1)),
+    ):
         assert torch.equal(module(ids), table(ids))
 
 
@@ -147,7 +161,7 @@ def test_bytes_are_packed_int4_plus_bf16_group_scales():
 
 
 def test_e2b_saving_and_stepwise_bytes_match_the_reference_figures():
-    steps = q.e2b_bytes_by_step()
+    steps = e2b.bytes_by_step()
     table = {s: parts["per-layer table"] for s, parts in steps.items()}
     assert table["04 compiled step"] - table["05 4-bit table"] == 3_376_414_720
     assert table["05 4-bit table"] == 1_321_205_760
@@ -155,7 +169,7 @@ def test_e2b_saving_and_stepwise_bytes_match_the_reference_figures():
 
 def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compile(loaded):
     backend, model, tokenizer, ids = loaded
-    n = g.generation_length(backend)
+    n = ck.generation_length(backend)
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
     with torch.no_grad():
         model(ids)
@@ -171,12 +185,11 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
 
 def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows():
     import helpers
-    from helpers import checkpoint as ck
 
     backend = helpers.get_backend()
     source, model, _, _ = g.load_for_series(backend)
     assert q.QTable.from_checkpoint(source, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
-    packed = ck.Checkpoint(str(twin.build_packed_table_twin()), None, True, "its per-layer table saved packed")
+    packed = hub.Checkpoint(str(twin.build_packed_table_twin()), None, True, "its per-layer table saved packed")
     table = model.model.embed_tokens_per_layer
     module, report = q.QTable.from_checkpoint(packed, "embed_tokens_per_layer", table)
     assert report["from"] == "packed in model.safetensors" and report["bytes after"] == module.nbytes()
@@ -190,10 +203,8 @@ def test_the_main_table_in_4bit_keeps_the_tied_heads_logits_and_the_tokens():
     import helpers
 
     backend = helpers.get_backend()
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
-    n = g.generation_length(backend)
-    reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
-    d.strip_compressed_wrappers(model)
+    series = helpers.series.prepare(backend, after=4)
+    model, ids, n, reference = series.model, series.ids, series.new_tokens, series.reference
     hidden = torch.randn(1, 3, model.config.hidden_size, device=backend.device, dtype=model.lm_head.weight.dtype)
     logits = model.lm_head(hidden)
     report = q.keep_embed_in_4bit(model)

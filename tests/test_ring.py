@@ -9,7 +9,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import ring, twin
+from helpers import e2b, ring, twin
 
 W = twin.TEXT_CONFIG["sliding_window"]
 
@@ -37,8 +37,10 @@ def _by_definition(length: int) -> dict:
 def _attention_outputs(model):
     """Forward hooks recording each attention layer's output, per call."""
     seen = {i: [] for i in range(len(model.model.layers))}
-    hooks = [layer.self_attn.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[0][0]))
-             for i, layer in enumerate(model.model.layers)]
+    hooks = [
+        layer.self_attn.register_forward_hook(lambda m, a, out, i=i: seen[i].append(out[0][0]))
+        for i, layer in enumerate(model.model.layers)
+    ]
     return seen, hooks
 
 
@@ -61,11 +63,13 @@ def _through_the_ring(decoder, seq, prompt_len):
         for start, positions, valid in decoder.chunks(prompt_len, seq.device):
             n = int(valid.sum())
             tokens = torch.zeros(1, decoder.chunk_size, dtype=seq.dtype)
-            tokens[:, :n] = seq[:, start:start + n]
+            tokens[:, :n] = seq[:, start : start + n]
             logits.append(decoder.forward_chunk(tokens, positions, valid)[0, :n])
             kept.append(n)
         for p in range(prompt_len, seq.shape[1]):
-            logits.append(decoder.forward_chunk(seq[:, p:p + 1], torch.tensor([[p]]), torch.ones(1, dtype=torch.bool))[0])
+            logits.append(
+                decoder.forward_chunk(seq[:, p : p + 1], torch.tensor([[p]]), torch.ones(1, dtype=torch.bool))[0]
+            )
             kept.append(1)
     for h in hooks:
         h.remove()
@@ -82,8 +86,12 @@ def test_the_reference_is_trustworthy_hf_no_cache_masks_equal_the_definition(tin
     hf, _ = _no_cache(tiny, seq)
     ours, _ = _no_cache(tiny, seq, _by_definition(seq.shape[1]))
     assert torch.equal(hf, ours)
-    full_only, _ = _no_cache(tiny, seq, {"full_attention": _by_definition(seq.shape[1])["full_attention"]} | {
-        "sliding_attention": _by_definition(seq.shape[1])["full_attention"]})
+    full_only, _ = _no_cache(
+        tiny,
+        seq,
+        {"full_attention": _by_definition(seq.shape[1])["full_attention"]}
+        | {"sliding_attention": _by_definition(seq.shape[1])["full_attention"]},
+    )
     assert not torch.allclose(hf[W:], full_only[W:], atol=1e-3)  # the window matters past it: the test can fail
 
 
@@ -91,10 +99,16 @@ lengths = st.one_of(st.sampled_from([1, W - 1, W, W + 1, 2 * W, 3 * W + 5, 53, 7
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(prompt_len=lengths, new_tokens=st.one_of(st.sampled_from([0, 1, W - 1, W + 1, 3 * W]), st.integers(0, 4 * W)),
-       chunk=st.sampled_from([1, 3, 5, 7, 12, W]), slack=st.integers(0, 2 * W), seed=st.integers(0, 2**16))
-def test_logits_and_attention_equal_the_no_cache_reference_at_every_position(tiny, cpu, prompt_len, new_tokens,
-                                                                                chunk, slack, seed):
+@given(
+    prompt_len=lengths,
+    new_tokens=st.one_of(st.sampled_from([0, 1, W - 1, W + 1, 3 * W]), st.integers(0, 4 * W)),
+    chunk=st.sampled_from([1, 3, 5, 7, 12, W]),
+    slack=st.integers(0, 2 * W),
+    seed=st.integers(0, 2**16),
+)
+def test_logits_and_attention_equal_the_no_cache_reference_at_every_position(
+    tiny, cpu, prompt_len, new_tokens, chunk, slack, seed
+):
     seq = torch.randint(0, 512, (1, prompt_len + new_tokens), generator=torch.Generator().manual_seed(seed))
     max_len = max(seq.shape[1] + slack, chunk)  # any size: the padded last chunk may run past it
     decoder = ring.RingDecoder(tiny, cpu, max_len=max_len, chunk_size=chunk)
@@ -104,7 +118,7 @@ def test_logits_and_attention_equal_the_no_cache_reference_at_every_position(tin
     # a wrong mask or slot moves them by 1e-2 and more (the reference test above)
     torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=1e-3)
     for i, out in attention.items():
-        torch.testing.assert_close(out, ref_attention[i], atol=1e-3, rtol=1e-3, msg=lambda m: f"layer {i}: {m}")
+        torch.testing.assert_close(out, ref_attention[i], atol=1e-3, rtol=1e-3, msg=f"layer {i} differs")
 
 
 def test_the_cache_holds_a_window_per_sliding_layer_a_full_buffer_per_full_layer_and_nothing_when_shared(tiny, cpu):
@@ -115,17 +129,17 @@ def test_the_cache_holds_a_window_per_sliding_layer_a_full_buffer_per_full_layer
         if layer.is_initialized:
             assert layer.keys.shape[2] == (W if attn.is_sliding else 96)
     config = tiny.config
-    assert d.cache_bytes(cache) == ck.kv_cache_bytes(config, 96, ring=True, dtype_bytes=4)
-    assert d.cache_bytes(cache) < ck.kv_cache_bytes(config, 96, dtype_bytes=4)
+    assert d.cache_bytes(cache) == e2b.kv_cache_bytes(config, 96, ring=True, dtype_bytes=4)
+    assert d.cache_bytes(cache) < e2b.kv_cache_bytes(config, 96, dtype_bytes=4)
 
 
 def test_e2b_ring_cache_bytes_at_131328_positions():
-    config = ck.e2b_config().get_text_config()
-    assert ck.kv_cache_bytes(config, 131_328, ring=True) == 813_170_688
-    assert ck.kv_cache_bytes(config, 131_328) == 2_420_637_696
+    config = e2b.real_config().get_text_config()
+    assert e2b.kv_cache_bytes(config, 131_328, ring=True) == 813_170_688
+    assert e2b.kv_cache_bytes(config, 131_328) == 2_420_637_696
     # the cache itself, allocated on the meta device with the defaults (chunk = the 512 window;
     # 131,328 is not a multiple of it)
-    cache = ring.RingCache(ck.meta_model(config).to(torch.bfloat16), 131_328, config.sliding_window)
+    cache = ring.RingCache(e2b.meta_model(config).to(torch.bfloat16), 131_328, config.sliding_window)
     assert d.cache_bytes(cache) == 813_170_688
 
 
@@ -136,7 +150,7 @@ def test_a_max_len_that_is_no_multiple_of_the_chunk_gives_the_no_cache_tokens(ti
     seq = prompt
     for _ in range(6):
         seq = torch.cat([seq, _no_cache(tiny, seq)[0][-1:].argmax(-1)[None]], dim=1)
-    assert tokens == seq[0, prompt.shape[1]:].tolist()
+    assert tokens == seq[0, prompt.shape[1] :].tolist()
 
 
 def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(tiny, cpu):
@@ -156,7 +170,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     from helpers import qtable
 
     checkpoint, model, tokenizer, ids = g.load_for_series(backend)
-    n = g.generation_length(backend)
+    n = ck.generation_length(backend)
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
     d.strip_compressed_wrappers(model)
     qtable.keep_table_in_4bit(model)
@@ -165,7 +179,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
     assert tokens == reference and count.graphs == 2  # one prefill chunk, one decode step
-    long = ids.repeat(1, 8)[:, :7 * W + 3]  # crosses the window seven times; the last chunk padded
+    long = ids.repeat(1, 8)[:, : 7 * W + 3]  # crosses the window seven times; the last chunk padded
     with backend.compile_counter() as again, d.no_recompiles():
         tokens = decoder.generate(long, n, stop_ids=())  # exactly n: the reference below never stops
     assert again.graphs == 0
@@ -173,4 +187,4 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     with torch.no_grad():
         for _ in range(n):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
-    assert tokens == seq[0, long.shape[1]:].tolist()
+    assert tokens == seq[0, long.shape[1] :].tolist()

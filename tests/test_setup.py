@@ -14,8 +14,15 @@ from helpers import course, setup
 PINS = setup.pins()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # what a Colab runtime brings (versions of the kind it has), less what the course pins
-COLAB = {"matplotlib": "3.10.0", "ipywidgets": "7.7.1", "tqdm": "4.67.1", "transformers": "4.57.1",
-         "accelerate": "1.10.1", "safetensors": "0.6.2", "tokenizers": "0.22.1"}
+COLAB = {
+    "matplotlib": "3.10.0",
+    "ipywidgets": "7.7.1",
+    "tqdm": "4.67.1",
+    "transformers": "4.57.1",
+    "accelerate": "1.10.1",
+    "safetensors": "0.6.2",
+    "tokenizers": "0.22.1",
+}
 
 
 def test_pins_are_read_from_requirements():
@@ -33,12 +40,19 @@ def test_colab_cpu_runtime_keeps_its_torch_and_the_versions_that_will_do():
     assert todo.torch is None and todo.uninstall == []
     names = [r.split("==")[0] for r in todo.install]
     assert not {"matplotlib", "ipywidgets", "tqdm", "torch", "torchvision"} & set(names)
-    assert f"transformers=={PINS['transformers']}" in todo.install and f"compressed-tensors=={PINS['compressed-tensors']}" in todo.install
+    assert (
+        f"transformers=={PINS['transformers']}" in todo.install
+        and f"compressed-tensors=={PINS['compressed-tensors']}" in todo.install
+    )
 
 
 def test_colab_tpu_with_an_older_torch_moves_torch_and_removes_its_companions():
-    todo = setup.plan({**COLAB, "torch": "2.8.0+cpu", "torchvision": "0.23.0+cpu", "torchaudio": "2.8.0+cpu"},
-                      PINS, tpu=True, colab=True)
+    todo = setup.plan(
+        {**COLAB, "torch": "2.8.0+cpu", "torchvision": "0.23.0+cpu", "torchaudio": "2.8.0+cpu"},
+        PINS,
+        tpu=True,
+        colab=True,
+    )
     assert todo.torch == f"torch=={PINS['torch']}"
     assert todo.uninstall == ["torchvision", "torchaudio"]
     assert ["torch_tpu==0.2.0", "libtpu==0.0.52"] == todo.install[-2:]
@@ -145,7 +159,9 @@ def test_every_notebook_has_the_set_up_cell_and_colab_tpu_metadata():
         assert course.notebook_setup_cell(path.read_text()) == course.setup_cell(), path.name
         for twin in (path, path.with_suffix(".ipynb")):  # the source keeps it through jupytext --sync
             metadata = jupytext.read(twin).metadata
-            assert metadata.get("accelerator") == "TPU" and metadata.get("colab", {}).get("gpuType") == "V5E1", twin.name
+            assert metadata.get("accelerator") == "TPU" and metadata.get("colab", {}).get("gpuType") == "V5E1", (
+                twin.name
+            )
 
 
 def _run_setup_cell(env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
@@ -159,15 +175,23 @@ def _run_setup_cell(env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), *site]), "PIP_NO_INDEX": "1", **env_extra}
     env.pop("HELPERS_BACKEND", None)
     code = "import google.colab\n" + course.setup_cell()
-    return subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
 
 
 def test_the_set_up_cell_runs_twice_as_after_a_restart(tmp_path):
     origin = tmp_path / "origin"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(origin)], check=True)
-    branch = subprocess.run(["git", "-C", str(origin), "branch", "--show-current"], capture_output=True, text=True,
-                            check=True).stdout.strip()
+    branch = subprocess.run(
+        ["git", "-C", str(origin), "branch", "--show-current"], capture_output=True, text=True, check=True
+    ).stdout.strip()
     env = {"COURSE_REPO": str(origin), "COURSE_REF": branch, "COURSE_DIR": str(tmp_path / "course")}
     first = _run_setup_cell(env, tmp_path)
     assert first.returncode == 0, first.stderr

@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import twin
+from helpers import e2b, hub, twin
 
 
 @pytest.fixture(scope="module")
@@ -47,26 +47,40 @@ def test_quantization_config_has_the_real_checkpoints_keys(folder):
 
 
 def test_tensor_names_dtypes_and_shapes_follow_the_real_layout(folder, tensors):
-    model = ck.meta_model(ck.text_config(ck.read_config(folder)))
+    model = e2b.meta_model(ck.text_config(ck.read_config(folder)))
     linears = {n: m for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
     packed = {k[: -len(".weight_packed")] for k in tensors if k.endswith(".weight_packed")}
     assert packed == {"model.language_model." + n for n in linears}  # every text linear, nothing else
     for name, module in linears.items():
         stem = f"model.language_model.{name}."
         out_f, in_f = module.weight.shape
-        assert tensors[stem + "weight_packed"].dtype == torch.int32 and tensors[stem + "weight_packed"].shape == (out_f, in_f // 8)
-        assert tensors[stem + "weight_scale"].dtype == torch.bfloat16 and tensors[stem + "weight_scale"].shape == (out_f, in_f // 32)
+        assert tensors[stem + "weight_packed"].dtype == torch.int32 and tensors[stem + "weight_packed"].shape == (
+            out_f,
+            in_f // 8,
+        )
+        assert tensors[stem + "weight_scale"].dtype == torch.bfloat16 and tensors[stem + "weight_scale"].shape == (
+            out_f,
+            in_f // 32,
+        )
         assert tensors[stem + "weight_shape"].tolist() == [out_f, in_f]
     assert tensors["model.language_model.embed_tokens_per_layer.weight"].dtype == torch.bfloat16
-    assert torch.equal(tensors["lm_head.weight"], tensors["model.language_model.embed_tokens.weight"])  # the redundant copy
+    assert torch.equal(
+        tensors["lm_head.weight"], tensors["model.language_model.embed_tokens.weight"]
+    )  # the redundant copy
     first_shared = model.config.num_hidden_layers - model.config.num_kv_shared_layers
-    shared_kv = [k for k in tensors if any(f"layers.{i}.self_attn.{p}" in k for i in range(first_shared, 10) for p in ("k_proj", "v_proj"))]
+    shared_kv = [
+        k
+        for k in tensors
+        if any(f"layers.{i}.self_attn.{p}" in k for i in range(first_shared, 10) for p in ("k_proj", "v_proj"))
+    ]
     assert shared_kv == []  # KV-sharing layers have no k/v projections, as in E2B
-    assert any(k.startswith("model.vision_tower.") for k in tensors) and any(k.startswith("model.audio_tower.") for k in tensors)
+    assert any(k.startswith("model.vision_tower.") for k in tensors) and any(
+        k.startswith("model.audio_tower.") for k in tensors
+    )
 
 
 def test_e2b_has_the_checkpoints_276_packed_linears_by_the_same_rule():
-    model = ck.meta_model(ck.e2b_config())
+    model = e2b.meta_model(e2b.real_config())
     assert sum(isinstance(m, torch.nn.Linear) for m in model.model.modules()) == 276
 
 
@@ -93,10 +107,17 @@ def test_linears_are_packed_int4_codes(tensors):
 
 def test_the_real_repositorys_file_set(folder):
     names = {p.name for p in folder.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-            "chat_template.jinja", "processor_config.json"} <= names
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "processor_config.json",
+    } <= names
     generation = json.loads((folder / "generation_config.json").read_text())
-    tok = ck.load_tokenizer(ck.Checkpoint(str(folder), None, True, "test"))
+    tok = ck.load_tokenizer(hub.Checkpoint(str(folder), None, True, "test"))
     assert generation["eos_token_id"] == tok.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
 
 
@@ -105,19 +126,22 @@ def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
     import shutil
 
     for path in folder.iterdir():  # the folder as snapshot_download(allow_patterns=...) leaves it
-        if any(fnmatch.fnmatch(path.name, p) for p in ck._PATTERNS):
+        if any(fnmatch.fnmatch(path.name, p) for p in hub._PATTERNS):
             shutil.copy(path, tmp_path / path.name)
-    kept = ck.Checkpoint(str(tmp_path), None, True, "filtered as the download filters")
+    kept = hub.Checkpoint(str(tmp_path), None, True, "filtered as the download filters")
     ids = ck.chat_ids(ck.load_tokenizer(kept), "cpu")  # needs chat_template.jinja
     assert ids.shape[1] > 16
     model, _ = ck.load(kept, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
-    assert model.generation_config.eos_token_id == json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    assert (
+        model.generation_config.eos_token_id
+        == json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
+    )
 
 
 def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
     from helpers import generate as g
 
-    checkpoint = ck.Checkpoint(str(folder), None, True, "test")
+    checkpoint = hub.Checkpoint(str(folder), None, True, "test")
     tok = ck.load_tokenizer(checkpoint)
     model, _ = ck.load(checkpoint, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
     tokens = ck.greedy_tokens(model, ck.chat_ids(tok, "cpu"), twin.ANSWER_TOKENS)
@@ -147,7 +171,7 @@ def test_same_seed_same_twin(tmp_path, tensors):
 
 
 def test_tokenizer_does_not_add_bos_but_encode_does(folder):
-    c = ck.Checkpoint(str(folder), None, True, "test")
+    c = hub.Checkpoint(str(folder), None, True, "test")
     tok = ck.load_tokenizer(c)
     assert tok("Paris")["input_ids"][0] != tok.bos_token_id
     ids = ck.encode(tok, "Paris", "cpu")

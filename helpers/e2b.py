@@ -1,0 +1,167 @@
+"""Gemma 4 E2B at full scale without its weights: the real text configuration built on the
+meta device, and the bytes that follow from it (components, KV caches, device estimates)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+
+from .packed import GROUP_SIZE, int4_bytes
+
+E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
+
+
+def real_config():
+    """Gemma 4 E2B's text configuration, from the facts in ``e2b_config.json``."""
+    from transformers import Gemma4TextConfig
+
+    facts = {k: v for k, v in json.loads(E2B_CONFIG.read_text()).items() if not k.startswith("_")}
+    facts.pop("model_type")
+    return Gemma4TextConfig(**facts)
+
+
+def meta_model(config):
+    """The text model built on the meta device: every shape, no weights, no memory."""
+    from transformers import Gemma4ForCausalLM
+
+    with torch.device("meta"):
+        return Gemma4ForCausalLM(config)
+
+
+def component_bytes(model) -> list[dict]:
+    """Bytes per component of a (meta) text model, in bf16 and in int4 group-32 with bf16 scales:
+    the two embedding tables, all linears of the decoder, and the lm_head copy a checkpoint may store."""
+    inner = model.model
+    linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
+    rows = [
+        ("embed_tokens", [inner.embed_tokens.weight]),
+        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight]),
+        (f"linears ({len(linears)})", [m.weight for m in linears]),
+        ("lm_head copy", [model.lm_head.weight]),
+    ]
+    out = []
+    for name, tensors in rows:
+        numel = sum(t.numel() for t in tensors)
+        out.append(
+            {
+                "component": name,
+                "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
+                "bf16_bytes": numel * 2,
+                "int4_bytes": sum(int4_bytes(t.numel()) for t in tensors),
+            }
+        )
+    return out
+
+
+def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V for ``positions`` tokens over the cache-owning layers (KV-sharing layers
+    hold none); with ``ring``, sliding layers keep only their window."""
+    total = 0
+    for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
+        if mode == "reuse":
+            continue
+        layer = config.per_layer_config[i]
+        length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
+        total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
+    return total
+
+
+def estimate_device_bytes(config, dequantize: bool) -> int:
+    """Device bytes the text decoder will hold once it has run a forward: compressed-tensors
+    expands every packed weight to bf16 either at load (dequantize) or on the first forward,
+    keeping the scales too unless dequantized; embeddings are tied, so stored once."""
+    model = meta_model(config)
+    bf16 = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts tied weights once
+    if dequantize:
+        return bf16
+    linears = [m.weight.numel() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return bf16 + sum(n // GROUP_SIZE * 2 for n in linears)
+
+
+def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
+    """Device bytes by component at E2B scale after each step 02-05, computed on the meta
+    device (no weights): what the stacked chart of notebook 05 shows beside the twin."""
+    config = real_config()
+    parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
+    kv = kv_cache_bytes(config, max_len)
+    embed, table, linears = parts["embed_tokens"], parts["embed_tokens_per_layer"], parts["linears"]
+    return {
+        "02 loaded": {
+            "embed_tokens": embed["bf16_bytes"],
+            "per-layer table": table["bf16_bytes"],
+            "linears": linears["int4_bytes"],
+        },
+        "03 after 1st forward": {
+            "embed_tokens": embed["bf16_bytes"],
+            "per-layer table": table["bf16_bytes"],
+            "linears": linears["bf16_bytes"],
+        },
+        "04 compiled step": {
+            "embed_tokens": embed["bf16_bytes"],
+            "per-layer table": table["bf16_bytes"],
+            "linears": linears["bf16_bytes"],
+            "KV cache": kv,
+        },
+        "05 4-bit table": {
+            "embed_tokens": embed["bf16_bytes"],
+            "per-layer table": table["int4_bytes"],
+            "linears": linears["bf16_bytes"],
+            "KV cache": kv,
+        },
+    }
+
+
+def step_figures(context: int = 256, ring_context: int = 131_328, bandwidth: float = 819e9) -> list[dict]:
+    """Per step of the series (and notebook 07's variants), at E2B scale on the meta device:
+    the weights on the device, the bytes one decode step reads (every weight once, the tied
+    head reading the main table whole, one row of the per-layer table, the KV cache the
+    attention reads: ``context`` positions, or the ring's buffers at ``ring_context``) and the
+    ceiling tok/s at ``bandwidth`` (a v5e's 819 GB/s)."""
+    config = real_config()
+    model = meta_model(config)
+    inner = model.model
+    linears = [m.weight.numel() for m in inner.modules() if isinstance(m, torch.nn.Linear)]
+    embed = inner.embed_tokens.weight.numel()
+    rows, cols = inner.embed_tokens_per_layer.weight.shape
+    rest = sum(p.numel() for p in model.parameters()) - sum(linears) - embed - rows * cols  # norms, scalars
+    lin = {
+        "bf16": sum(linears) * 2,
+        "int8": sum(n + n // GROUP_SIZE * 2 for n in linears),
+        "int4": sum(int4_bytes(n) for n in linears),
+    }
+    table = {"bf16": (rows * cols * 2, cols * 2), "int4": (int4_bytes(rows * cols), int4_bytes(cols))}
+    head = {"bf16": embed * 2, "int4": int4_bytes(embed)}
+    steps = [  # (step, linears, per-layer table, main table and head, cache read)
+        ("03 HF generate", "bf16", "bf16", "bf16", kv_cache_bytes(config, context, ring=True)),
+        ("04 compiled step", "bf16", "bf16", "bf16", kv_cache_bytes(config, context)),
+        ("05 4-bit table", "bf16", "int4", "bf16", kv_cache_bytes(config, context)),
+        (
+            f"06 ring cache, {ring_context:,} positions",
+            "bf16",
+            "int4",
+            "bf16",
+            kv_cache_bytes(config, ring_context, ring=True),
+        ),
+        ("07 int8 linears", "int8", "int4", "bf16", kv_cache_bytes(config, context)),
+        ("07 int4 linears", "int4", "int4", "bf16", kv_cache_bytes(config, context)),
+        ("07 int4 linears, 4-bit head", "int4", "int4", "int4", kv_cache_bytes(config, context)),
+    ]
+    out = []
+    for step, lin_fmt, table_fmt, head_fmt, cache in steps:
+        weights = lin[lin_fmt] + table[table_fmt][0] + head[head_fmt] + rest * 2
+        read = lin[lin_fmt] + table[table_fmt][1] + head[head_fmt] + rest * 2 + cache
+        out.append(
+            {
+                "step": step,
+                "linears": lin_fmt,
+                "per-layer table": table_fmt,
+                "head": head_fmt,
+                "weights_on_device": weights,
+                "cache_read": cache,
+                "bytes_per_token": read,
+                "ceiling_tok_s": bandwidth / read,
+            }
+        )
+    return out

@@ -1,0 +1,92 @@
+"""The linears kept compressed on the device and dequantized inside the compiled step, read
+straight from the checkpoint's packed tensors: the QAT int4 codes stored one per int8 (1 byte
+a weight) or packed eight per int32 word as compressed-tensors saved them (half a byte), with
+their bf16 group scales. Both give the checkpoint's weights exactly: codes x scales rounded to
+bf16, as compressed-tensors' own dequantization does."""
+
+from __future__ import annotations
+
+import torch
+
+from .hub import local_folder
+from .packed import checkpoint_key
+from .qtable import dequantize, unpack_rows
+
+FORMATS = ("int8", "int4")
+
+
+class QLinear(torch.nn.Module):
+    """A drop-in for a bias-free ``nn.Linear`` whose weight stays compressed on the device.
+
+    Args: ``codes``, int8 [out, in] (format ``int8``) or int32 words [out, in / 8] (``int4``,
+    compressed-tensors' ``pack-quantized`` layout); ``scales``, bf16 [out, in / 32];
+    ``dtype``, the dtype of the weight the matmul sees. ``forward(x)``: [..., in] -> [..., out]."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str):
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"format {fmt!r}: pick one of {', '.join(FORMATS)}")
+        self.register_buffer("codes", codes)
+        self.register_buffer("scales", scales)
+        self.fmt, self.dtype = fmt, dtype
+        self.out_features = codes.shape[0]
+        self.in_features = codes.shape[1] * (8 if fmt == "int4" else 1)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str) -> "QLinear":
+        """From a linear whose weight lies on a 4-bit grid (its codes and scales recovered
+        exactly, never re-quantized); for a model that was not loaded from a packed checkpoint."""
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+        from .qtable import recover_grid
+
+        codes, scales, found = recover_grid(linear.weight.detach().cpu())
+        if not found.all():
+            raise ValueError(f"{int((~found).sum())} groups of this linear's weight are on no 4-bit grid")
+        codes = pack_to_int32(codes, 4) if fmt == "int4" else codes
+        device = linear.weight.device
+        return cls(codes.to(device), scales.to(device), linear.weight.dtype, fmt)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight, dequantized now: what every step computes before its matmul."""
+        codes = unpack_rows(self.codes) if self.fmt == "int4" else self.codes
+        return dequantize(codes, self.scales, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} codes, bf16 scales"
+
+
+def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
+    """Swap every text linear the checkpoint saved packed for a ``QLinear`` in ``fmt`` built
+    from the checkpoint's own codes and scales (never re-quantized); the dense weights are
+    freed. Returns the count and bytes before and after."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors import safe_open
+
+    files = sorted(local_folder(checkpoint).glob("*.safetensors"))
+    handles = [safe_open(path, "pt") for path in files]
+    where = {key: f for f in handles for key in f.keys()}
+    before = after = swapped = 0
+    for name, module in list(model.model.named_modules()):
+        stem = checkpoint_key(f"model.{name}") + "."
+        if not isinstance(module, (torch.nn.Linear, QLinear)) or stem + "weight_packed" not in where:
+            continue  # a QLinear already there is rebuilt in the format asked for
+        if getattr(module, "bias", None) is not None:
+            raise ValueError(f"{name} has a bias: QLinear keeps bias-free linears only")
+        packed = where[stem + "weight_packed"].get_tensor(stem + "weight_packed")
+        scales = where[stem + "weight_scale"].get_tensor(stem + "weight_scale").to(torch.bfloat16)
+        shape = torch.Size(where[stem + "weight_shape"].get_tensor(stem + "weight_shape").tolist())
+        codes = packed if fmt == "int4" else unpack_from_int32(packed, 4, shape).to(torch.int8)
+        held = [module.codes, module.scales] if isinstance(module, QLinear) else [module.weight]
+        device, dtype = held[0].device, module.dtype if isinstance(module, QLinear) else module.weight.dtype
+        q = QLinear(codes.to(device), scales.to(device), dtype, fmt)
+        before += sum(t.numel() * t.element_size() for t in held)
+        after += sum(t.numel() * t.element_size() for t in (q.codes, q.scales))
+        parent, _, child = name.rpartition(".")
+        setattr(model.model.get_submodule(parent) if parent else model.model, child, q)
+        swapped += 1
+    return {"format": fmt, "linears": swapped, "bytes before": before, "bytes after": after}

@@ -1,0 +1,91 @@
+"""The roofline: bytes a decode step reads from the tensors, the read probe, E2B's figures by
+step and variant, K tokens per compiled call, and the linears kept compressed (notebook 07)."""
+
+import copy
+
+import pytest
+import torch
+
+import helpers
+from helpers import checkpoint as ck
+from helpers import decode as d
+from helpers import e2b, qlinear, roofline
+
+
+@pytest.fixture(scope="module")
+def series():
+    return helpers.series.prepare(helpers.get_backend(), after=5)  # notebook 05's model
+
+
+def test_e2b_figures_by_step_meet_the_targets_and_the_sources_ceilings():
+    rows = {r["step"]: r for r in e2b.step_figures()}
+    assert round(rows["05 4-bit table"]["weights_on_device"] / 1e9, 2) == 5.88  # "5.9 GB at step 05"
+    assert round(rows["04 compiled step"]["ceiling_tok_s"]) == 179  # all bf16: 4.56 GB a token
+    assert round(rows["07 int4 linears"]["ceiling_tok_s"], -1) == 440  # int4 linears, bf16 head: ~438
+    best = rows["07 int4 linears, 4-bit head"]
+    assert best["weights_on_device"] < 2.7e9 and best["bytes_per_token"] < 1.4e9
+    assert rows["06 ring cache, 131,328 positions"]["cache_read"] == 813_170_688
+
+
+def test_step_bytes_counts_each_tensor_once_one_row_of_the_gathered_table_and_the_cache(series):
+    model = series.model
+    decoder = d.Decoder(model, helpers.get_backend(), max_len=64)
+    table = model.model.embed_tokens_per_layer
+    every = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    in_table = {id(t) for t in [*table.parameters(), *table.buffers()]}
+    whole = sum(t.numel() * t.element_size() for k, t in every.items() if k not in in_table)
+    row = table.packed.shape[1] * 4 + table.scales.shape[1] * 2  # a packed row and its scales
+    cache = d.cache_bytes(decoder.cache)
+    assert roofline.step_bytes(model, decoder.cache) == whole + row + cache
+    assert roofline.cache_read_bytes(decoder.cache) == cache
+
+
+def test_the_read_probe_and_the_columns():
+    bandwidth, how = roofline.read_bandwidth(helpers.get_backend())
+    assert bandwidth > 1e8 and how.startswith(("measured", "published"))
+    cols = roofline.columns(2_000_000, 50.0, 1e9)
+    assert cols == {"bytes_per_token": 2_000_000, "GB_per_s": 0.1, "pct_of_bw": 10.0, "ceiling_tok_s": 500.0}
+
+
+def test_k_tokens_per_call_give_the_same_tokens_with_one_compilation(series):
+    backend, k = helpers.get_backend(), 3  # not a divisor of the lengths asked: the last call overshoots
+    torch._dynamo.reset()
+    decoder = d.Decoder(series.model, backend, max_len=128, tokens_per_call=k)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(series.ids, series.new_tokens)
+    assert tokens == series.reference and count.graphs == 2  # the prefill bucket and the K-step program
+    with backend.compile_counter() as again, d.no_recompiles():
+        exact = decoder.generate(series.ids, 11, stop_ids=())
+    assert again.graphs == 0 and len(exact) == 11  # not a multiple of K: the last call's extra dropped
+    with pytest.raises(ValueError, match=f"\\+ {k - 1}: the last call makes {k}"):
+        decoder.generate(series.ids, 128 - series.ids.shape[1])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_linears_kept_compressed_are_the_checkpoints_weights_and_give_the_same_tokens(series, fmt):
+    model = copy.deepcopy(series.model)
+    dense = {n: m.weight.detach().clone() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    report = qlinear.keep_linears_compressed(model, series.checkpoint, fmt)
+    assert report["linears"] == len(dense) > 0  # every text linear: the checkpoint packed them all
+    per_weight = {"int8": 1, "int4": 0.5}[fmt] + 2 / 32
+    assert report["bytes after"] == sum(w.numel() for w in dense.values()) * per_weight
+    for name, module in model.model.named_modules():
+        if name in dense:
+            assert isinstance(module, qlinear.QLinear) and torch.equal(module.weight, dense[name]), name
+    # eager here; compiled (one graph per shape), in notebook 07 and the tour
+    assert ck.greedy_tokens(model, series.ids, series.new_tokens) == series.reference
+
+
+def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():
+    from helpers import twin
+
+    linear = torch.nn.Linear(64, 16, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(twin.on_grid(linear.weight)[0])
+    x = torch.randn(3, 64)
+    for fmt in qlinear.FORMATS:
+        assert torch.equal(qlinear.QLinear.from_linear(linear, fmt)(x), linear(x))
+    with torch.no_grad():
+        linear.weight[0, 0] += 1e-3
+    with pytest.raises(ValueError, match="1 groups of this linear's weight are on no 4-bit grid"):
+        qlinear.QLinear.from_linear(linear, "int8")
