@@ -189,7 +189,7 @@ class QTable(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The whole table, dequantized (what a tied output head multiplies by)."""
-        return self.rows(torch.arange(self.packed.shape[0], device=self.packed.device))
+        return dequantize(unpack_rows(self.packed), self.scales, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # as Gemma4TextScaledWordEmbedding rounds it: a float32 scalar cast to the table dtype

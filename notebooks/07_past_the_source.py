@@ -136,8 +136,10 @@ helpers.show(helpers.decode.Decoder.steps, helpers.qlinear.QLinear.weight.fget, 
 # peak device memory where the backend counts it; decode tok/s (median of 3) beside the bytes
 # one step reads, from the tensors, GB/s and % of the read bandwidth above. The linears come
 # from the checkpoint's own packed codes and scales, never re-quantized, so they are exact.
-# Timed one after another: the spread column (fastest over slowest run) says when the machine
-# was busy.
+# The compressed variants run at K = 1, each read beside the K = 1 row: unrolled K times, a
+# step that dequantizes every weight takes minutes to compile on a CPU (a TPU reader can
+# combine the best K with the best format). Timed one after another: the spread column
+# (fastest over slowest run) says when the machine was busy.
 
 # %%
 ks = helpers.roofline.KS[backend.name == "xla"]  # each K is a compile: fewer on XLA's CPU client
