@@ -101,7 +101,11 @@ best = figures[-1]
 assert best["weights_on_device"] < 2.7e9 and best["bytes_per_token"] < 1.4e9
 fig = helpers.bench.ceiling_chart(
     figures,
-    measured={"03 HF generate": 5, "04 compiled step": 32, "05 4-bit table": 50},
+    measured={  # the source's figures, each from its step's module
+        "03 HF generate": helpers.generate.SOURCE_TOK_S,
+        "04 compiled step": helpers.decode.SOURCE_TOK_S,
+        "05 4-bit table": helpers.qtable.SOURCE_TOK_S,
+    },
     peer=("a pure-JAX engine", helpers.roofline.JAX_TOK_S),
 )
 
