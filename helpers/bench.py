@@ -84,6 +84,20 @@ def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     return folder
 
 
+def update_json(path: pathlib.Path, change: Callable, empty=dict):
+    """Read a run folder's JSON file, ``change`` it and write it back, under a lock and in one
+    step: notebooks run side by side (parallel test workers, two Colab tabs) share the folder,
+    and a kernel killed mid-write must not leave half a file. Returns what was written."""
+    from filelock import FileLock
+
+    with FileLock(f"{path}.lock"):
+        value = change(json.loads(path.read_text()) if path.exists() else empty())
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value, indent=1))
+        tmp.replace(path)
+    return value
+
+
 class Results:
     """The series' results table: one row per (step, label), kept in ``results.json``.
 
@@ -98,10 +112,12 @@ class Results:
 
     def add(self, step: str, label: str, **values) -> dict:
         row = {"step": step, "label": label, **values}
-        rows = [r for r in self.rows() if (r["step"], r["label"]) != (step, label)]
-        rows.append(row)
-        rows.sort(key=lambda r: r["step"])
-        self.path.write_text(json.dumps(rows, indent=1))
+
+        def replace_row(rows: list[dict]) -> list[dict]:
+            rows = [r for r in rows if (r["step"], r["label"]) != (step, label)]
+            return sorted([*rows, row], key=lambda r: r["step"])
+
+        update_json(self.path, replace_row, empty=list)
         return row
 
     def table(self, columns: list[str] | None = None) -> str:

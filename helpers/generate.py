@@ -13,7 +13,7 @@ import torch
 from transformers import TextStreamer
 
 from .backend import Backend
-from .bench import run_dir
+from .bench import run_dir, update_json
 from .checkpoint import generation_length
 
 STEP = "03 baseline"
@@ -149,11 +149,8 @@ def save_reference(
     checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None
 ) -> str:
     """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped)."""
-    path = run_dir(folder) / "reference_tokens.json"
-    saved = json.loads(path.read_text()) if path.exists() else {}
     key = reference_key(checkpoint, backend, ids, new_tokens)
-    saved[key] = tokens
-    path.write_text(json.dumps(saved, indent=1))
+    update_json(run_dir(folder) / "reference_tokens.json", lambda saved: {**saved, key: tokens})
     return key
 
 

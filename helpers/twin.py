@@ -17,6 +17,7 @@ is exact: every later step can prove identical tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -198,6 +199,15 @@ def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int =
     """The twin as a checkpoint that saved its per-layer table packed (``weight_packed``,
     ``weight_scale``, ``weight_shape``, as its linears) instead of bf16: the path
     ``QTable.from_checkpoint`` reads. Derived from the twin (same codes, same values); cached."""
+    source = build_tiny_twin(seed=seed)
+    folder = pathlib.Path(folder or cache_dir() / f"{source.name}-packed-table")
+    with _building(folder) as done:
+        if not done:
+            _pack_table(source, folder)
+    return folder
+
+
+def _pack_table(source: pathlib.Path, folder: pathlib.Path) -> None:
     import shutil
 
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -205,10 +215,6 @@ def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int =
 
     from .qtable import recover_grid
 
-    source = build_tiny_twin(seed=seed)
-    folder = pathlib.Path(folder or cache_dir() / f"{source.name}-packed-table")
-    if (folder / "twin.json").exists():
-        return folder
     shutil.copytree(source, folder, dirs_exist_ok=True)
     (folder / "twin.json").unlink()
     tensors = load_file(folder / "model.safetensors")
@@ -222,11 +228,29 @@ def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int =
     }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "twin.json").write_text((source / "twin.json").read_text())
-    return folder
 
 
 def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
     """Build (or reuse from the cache) the tiny twin checkpoint; returns its folder."""
+    folder = pathlib.Path(folder or cache_dir() / f"tiny-twin-v{TWIN_VERSION}-seed{seed}")
+    with _building(folder) as done:
+        if not done:
+            _build_twin(folder, seed)
+    return folder
+
+
+@contextlib.contextmanager
+def _building(folder: pathlib.Path):
+    """Whether ``folder`` holds a finished build (its ``twin.json``, written last), under a lock:
+    parallel test workers asking for the same twin build it once, the others wait for it."""
+    from filelock import FileLock
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{folder}.lock"):
+        yield (folder / "twin.json").exists()
+
+
+def _build_twin(folder: pathlib.Path, seed: int) -> None:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -237,9 +261,6 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig
 
-    folder = pathlib.Path(folder or cache_dir() / f"tiny-twin-v{TWIN_VERSION}-seed{seed}")
-    if (folder / "twin.json").exists():
-        return folder
     folder.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(seed)
@@ -287,7 +308,6 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
     (folder / "twin.json").write_text(
         json.dumps({"version": TWIN_VERSION, "seed": seed, "answer": answer, "loss": [losses[0], losses[-1]]})
     )
-    return folder
 
 
 ANSWER_TOKENS = 32  # the series' generation length

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 import helpers
@@ -30,6 +33,14 @@ def test_results_replace_a_rerun_row_and_keep_the_others(tmp_path):
     assert rows[0]["ms"] == 1.0
     text = results.table()
     assert "tok_s" in text and "1" in text.splitlines()[2]
+
+
+def test_rows_added_by_processes_side_by_side_are_all_kept(tmp_path):
+    # two notebooks (parallel test workers, two Colab tabs) writing one run folder at once
+    add = "import sys; from helpers.bench import Results; r = Results(sys.argv[1]); [r.add('s', f'{sys.argv[2]}{i}') for i in range(200)]"
+    writers = [subprocess.Popen([sys.executable, "-c", add, str(tmp_path), name]) for name in "ab"]
+    assert [w.wait() for w in writers] == [0, 0]
+    assert len(Results(tmp_path).rows()) == 400
 
 
 def test_chart_is_written_to_the_run_folder(tmp_path):
