@@ -2,7 +2,8 @@
 weights put on a 4-bit grid as QAT leaves them), every loop side by side in one run:
 (a) HF generate as it comes, (b) HF's own recipe (static cache, forward compiled), and the
 course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per call, and
-(e) int8 and (f) int4 linears kept compressed (notebook 07). The timed runs are interleaved
+(e) int8 and (f) int4 linears kept compressed, and (g) q/k/v and gate/up fused into one
+matmul each (notebook 07). The timed runs are interleaved
 (every loop once per round), so a busy moment of a shared machine hits them all alike.
 
     python benchmarks/decode.py [--tokens 64] [--rounds 3] [--k 8] [--profile]
@@ -24,12 +25,13 @@ from helpers import decode as d
 from helpers import e2b, roofline, twin
 from helpers import generate as g
 from helpers.bench import table, time_fn
+from helpers.fused import fuse_projections
 from helpers.qlinear import QLinear
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--rounds", type=int, default=3)
-parser.add_argument("--k", type=int, default=8, help="decode steps per compiled call for (d), (e), (f)")
+parser.add_argument("--k", type=int, default=8, help="decode steps per compiled call for (d) to (g)")
 parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
 
@@ -60,6 +62,12 @@ def compressed(fmt: str):
     return copied
 
 
+def fused_copy():
+    copied = copy.deepcopy(model)
+    fuse_projections(copied)
+    return copied
+
+
 compiled_forward = torch.compile(model.forward)  # HF's recipe: static cache, forward compiled
 
 
@@ -76,6 +84,7 @@ decoders = {
     f"(d) compiled, K={args.k}": d.Decoder(model, backend, max_len, tokens_per_call=args.k),
     f"(e) int8 linears, K={args.k}": d.Decoder(compressed("int8"), backend, max_len, tokens_per_call=args.k),
     f"(f) int4 linears, K={args.k}": d.Decoder(compressed("int4"), backend, max_len, tokens_per_call=args.k),
+    f"(g) fused q/k/v, gate/up, K={args.k}": d.Decoder(fused_copy(), backend, max_len, tokens_per_call=args.k),
 }
 loops = {"(a) HF generate, default": hf, "(b) HF static cache + compiled forward": hf_static}
 loops |= {name: (lambda dec=dec: dec.generate(ids, n, stop_ids=())) for name, dec in decoders.items()}

@@ -76,6 +76,7 @@ _MODULES = {
     "course",
     "decode",
     "e2b",
+    "fused",
     "generate",
     "hub",
     "modes",

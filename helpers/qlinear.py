@@ -67,6 +67,10 @@ def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors import safe_open
 
+    from .fused import Part
+
+    if any(isinstance(m, Part) for m in model.modules()):
+        raise ValueError("fused projections: keep the linears compressed first, then fuse them")
     files = sorted(local_folder(checkpoint).glob("*.safetensors"))
     handles = [safe_open(path, "pt") for path in files]
     where = {key: f for f in handles for key in f.keys()}

@@ -89,12 +89,13 @@ def measure_variants(backend: Backend, series, ks=(1, 2, 4, 8), max_len: int = 2
     """Notebook 07's variants on notebook 05's model (``series``, changed in place), each
     compiled anew and timed: K tokens per compiled call for each of ``ks``; then, at K = 1 (each
     is beside the K = 1 row; unrolled K times, a step that dequantizes every weight compiles
-    minutes on a CPU), the linears as int8 codes, as packed int4, and the main table and tied
-    head in 4-bit too. A row each: same tokens as notebook 03, graphs compiled, seconds of the first
+    minutes on a CPU), the linears as int8 codes, as packed int4, the main table and tied head
+    in 4-bit too, and then q/k/v and gate/up fused into one matmul each. A row each: same tokens as notebook 03, graphs compiled, seconds of the first
     call (its compilation), peak device memory where the backend counts it, decode tok/s
     (median of 3) and spread, weights on the device, and the roofline columns."""
     from .checkpoint import memory_report
     from .decode import Decoder, timed_generate
+    from .fused import fuse_projections
     from .qlinear import keep_linears_compressed
     from .qtable import keep_embed_in_4bit
 
@@ -132,6 +133,8 @@ def measure_variants(backend: Backend, series, ks=(1, 2, 4, 8), max_len: int = 2
     run("int4 linears, K=1", 1)
     keep_embed_in_4bit(model)
     run("int4 linears + 4-bit head, K=1", 1)
+    fuse_projections(model)
+    run("int4 linears + 4-bit head + fused q/k/v, gate/up, K=1", 1)
     return rows
 
 

@@ -30,9 +30,9 @@
 # Here: the bytes one step reads at each step of the series, at E2B scale, and the ceiling
 # that follows; then three ways past the source, each measured on this machine against its
 # own read bandwidth: K decode steps per compiled call (tokens read back once per call), the
-# linears kept as int8 codes or packed int4 on the device and dequantized inside the step, and
-# the main table with its tied head in 4-bit too. Every variant must give notebook 03's tokens
-# and compile once per shape.
+# linears kept as int8 codes or packed int4 on the device and dequantized inside the step, the
+# main table with its tied head in 4-bit too, and q/k/v and gate/up fused into one matmul each.
+# Every variant must give notebook 03's tokens and compile once per shape.
 
 # %% [markdown]
 # ## Set up
@@ -127,27 +127,38 @@ bandwidth, how = helpers.roofline.read_bandwidth(backend)
 print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 
 # %% [markdown]
-# ## K tokens per compiled call, and the linears kept compressed
-# The code, on screen: K decode steps unrolled into one program, and the linear that stays
-# compressed on the device.
+# ## K tokens per compiled call, the linears kept compressed, fewer matmuls
+# The code, on screen: K decode steps unrolled into one program, the linear that stays
+# compressed on the device, and the fused linear whose one matmul serves q, k and v (or gate
+# and up): transformers' attention calls them in turn on the same hidden states.
 
 # %%
-helpers.show(helpers.decode.Decoder.steps, helpers.qlinear.QLinear.weight.fget, helpers.qlinear.QLinear.forward)
+helpers.show(
+    helpers.decode.Decoder.steps,
+    helpers.qlinear.QLinear.weight.fget,
+    helpers.qlinear.QLinear.forward,
+    helpers.fused.Fused.part,
+)
 
 # %% [markdown]
 # **What we test:** each variant, compiled anew: the same tokens as notebook 03, two graphs
 # (the prefill bucket and the step), the seconds of the first call (its compilation) and the
 # peak device memory where the backend counts it; decode tok/s (median of 3) beside the bytes
 # one step reads, from the tensors, GB/s and % of the read bandwidth above. The linears come
-# from the checkpoint's own packed codes and scales, never re-quantized, so they are exact.
-# The compressed variants run at K = 1, each read beside the K = 1 row: unrolled K times, a
+# from the checkpoint's own packed codes and scales, never re-quantized, so they are exact;
+# the fused weights are the same rows concatenated. The compressed variants run at K = 1, each read beside the K = 1 row: unrolled K times, a
 # step that dequantizes every weight takes minutes to compile on a CPU (a TPU reader can
 # combine the best K with the best format). Timed one after another: the spread column
 # (fastest over slowest run) says when the machine was busy.
 
 # %%
 ks = helpers.roofline.KS[backend.name == "xla"]  # each K is a compile: fewer on XLA's CPU client
-rows = helpers.roofline.measure_variants(backend, series, ks=ks)
+token = series.ids[:, :1]
+matmuls = helpers.fused.linear_calls(series.model, token)
+rows = helpers.roofline.measure_variants(backend, series, ks=ks)  # the last variant fuses the model's projections
+print(
+    f"matmuls with a weight per token: {matmuls} before fusing, {helpers.fused.linear_calls(series.model, token)} after"
+)
 shown = [
     "variant",
     "same_tokens",
@@ -168,7 +179,8 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 # **What you should see:** the same tokens and two compilations everywhere. On a CPU, K > 1
 # saves the per-call overhead (dynamo's guards, the launch), and the compressed linears read
 # fewer bytes but dequantize every weight every step, work a CPU pays for; the tiny twin is
-# too small for the bytes to dominate. On a v5e-1 (a path no machine building this course has
+# too small for the bytes to dominate. Fusing reads the same bytes in fewer, larger matmuls:
+# it saves launches and reads each input once, which shows most where the matmuls are small. On a v5e-1 (a path no machine building this course has
 # run) look for K > 1 ahead of K = 1 by the host round trips it saves, and for the int8 row:
 # int8 is the one low-precision format with a compute path on v5e, while int4 dequantized in
 # the step pays only if XLA fuses the unpack into the matmul.

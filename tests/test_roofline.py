@@ -9,7 +9,7 @@ import torch
 import helpers
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, qlinear, roofline
+from helpers import e2b, fused, qlinear, roofline
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +74,31 @@ def test_linears_kept_compressed_are_the_checkpoints_weights_and_give_the_same_t
             assert isinstance(module, qlinear.QLinear) and torch.equal(module.weight, dense[name]), name
     # eager here; compiled (one graph per shape), in notebook 07 and the tour
     assert ck.greedy_tokens(model, series.ids, series.new_tokens) == series.reference
+
+
+@pytest.mark.parametrize("fmt", [None, "int4"])
+def test_fused_projections_are_fewer_matmuls_of_the_same_weights_and_give_the_same_tokens(series, fmt):
+    model = copy.deepcopy(series.model)
+    if fmt:
+        qlinear.keep_linears_compressed(model, series.checkpoint, fmt)
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    q, k, v, gate = (m.weight.detach().clone() for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj))
+    calls = fused.linear_calls(model, series.ids)
+    weights = sum(r["bytes"] for r in ck.memory_report(model))
+    report = fused.fuse_projections(model)
+    layers = model.model.layers
+    owning = sum(not layer.self_attn.is_kv_shared_layer for layer in layers)
+    assert report == {"linears fused": 3 * owning + 2 * len(layers), "matmuls now": owning + len(layers)}
+    assert fused.linear_calls(model, series.ids) == calls - 2 * owning - len(layers)
+    assert torch.equal(attn.qkv.linear.weight, torch.cat([q, k, v])) and torch.equal(mlp.gate_proj.weight, gate)
+    assert attn.qkv._last is None  # no activation held between forwards
+    assert sum(r["bytes"] for r in ck.memory_report(model)) == weights  # concatenated once, the parts freed
+    # eager here; compiled (one graph per shape), in notebook 07 and the tour
+    assert ck.greedy_tokens(model, series.ids, series.new_tokens) == series.reference
+    with pytest.raises(ValueError, match="fused already"):
+        fused.fuse_projections(model)
+    with pytest.raises(ValueError, match="compressed first, then fuse"):
+        qlinear.keep_linears_compressed(model, series.checkpoint, "int8")
 
 
 def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():

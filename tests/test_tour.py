@@ -23,8 +23,13 @@ def test_tour_runs_every_step_prints_the_table_and_writes_the_chart(tmp_path, ca
     assert all(r["tok_s_spread"] >= 1 for r in rows[4:])  # fastest / slowest timed run, flagged when large
     assert all(r["bytes_per_token"] > 0 and r["pct_of_bw"] > 0 for r in rows[4:])  # the roofline on every row
     variants = rows[8:]
-    assert len(variants) == 6 and all(r["same_tokens"] and r["compiles"] == 2 for r in variants)
-    assert {r["label"].split(",")[0] for r in variants} >= {"int8 linears", "int4 linears", "int4 linears + 4-bit head"}
+    assert len(variants) == 7 and all(r["same_tokens"] and r["compiles"] == 2 for r in variants)
+    assert {r["label"].split(",")[0] for r in variants} >= {
+        "int8 linears",
+        "int4 linears",
+        "int4 linears + 4-bit head",
+        "int4 linears + 4-bit head + fused q/k/v",
+    }
     assert rows[5]["same_tokens"] and rows[5]["compiles"] == 2
     assert rows[6]["same_tokens"] and rows[6]["compiles"] == 2
     assert rows[7]["same_tokens"] and rows[7]["compiles"] == 2 and rows[7]["source_tok_s"] == 38
