@@ -111,3 +111,17 @@ def test_bytes_per_token_counts_weights_once_and_the_cache(setup):
     layers = [layer for layer in decoder.cache.layers if layer.is_initialized]
     assert cache == sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers) > 0
     assert cache < d.bytes_per_token(model, decoder.cache) < weights + cache  # the per-layer table: one row only
+
+
+def test_the_prefill_runs_the_head_on_the_last_real_position_only(setup):
+    _, model, _, ids, _, decoder, tokens, _ = setup
+    rows = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: rows.append(args[0].shape[1]))
+    try:
+        padded = torch.zeros(1, decoder.bucket(ids.shape[1]), dtype=ids.dtype)
+        padded[:, : ids.shape[1]] = ids
+        with torch.no_grad():
+            first = decoder._prefill(padded, torch.tensor([ids.shape[1] - 1]))  # eager: the hook sees it
+    finally:
+        hook.remove()
+    assert rows == [1] and padded.shape[1] > 1 and first.item() == tokens[0]
