@@ -180,7 +180,8 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 # saves the per-call overhead (dynamo's guards, the launch), and the compressed linears read
 # fewer bytes but dequantize every weight every step, work a CPU pays for; the tiny twin is
 # too small for the bytes to dominate. Fusing reads the same bytes in fewer, larger matmuls:
-# it saves launches and reads each input once, which shows most where the matmuls are small. On a v5e-1 (a path no machine building this course has
+# it saves launches and reads each input once, but whether that pays depends on the backend's
+# matmuls; read its row against the one before it, measured above in this run. On a v5e-1 (a path no machine building this course has
 # run) look for K > 1 ahead of K = 1 by the host round trips it saves, and for the int8 row:
 # int8 is the one low-precision format with a compute path on v5e, while int4 dequantized in
 # the step pays only if XLA fuses the unpack into the matmul.
