@@ -13,6 +13,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from . import generate as g
 from .backend import Backend
 from .bench import time_fn
+from .sampling import Sampler, first_stop, stop_strings_criteria
 
 STEP = "04 compiled decode"
 SOURCE_TOK_S = 32  # the source's figure, TPU v5e-1: 31-33 tok/s
@@ -108,22 +109,29 @@ class Decoder:
 
     Args: ``model``, a Gemma 4 text model (``Gemma4ForCausalLM``) stripped of compressed-tensors'
     wrappers, on ``backend``'s device; ``backend``, a ``Backend``; ``max_len``, the positions
-    the cache holds (prompt + new tokens); ``compile_options`` go to ``torch.compile``.
+    the cache holds (prompt + new tokens); ``sampling``, a ``GenerationConfig`` whose
+    ``do_sample``, ``temperature``, ``top_k`` and ``top_p`` the compiled step applies (None:
+    greedy; see ``helpers.sampling``); ``compile_options`` go to ``torch.compile``.
 
     ``decode_step(token, position)``: ``token`` and ``position`` are int64 device tensors of
     shape [1, 1]; returns the next token and ``position + 1``, same shapes, still on the device
-    (greedy argmax, no host round trip). ``step`` is the same, not compiled. With
+    (chosen there by ``sampler``: no host round trip). ``step`` is the same, not compiled. With
     ``tokens_per_call`` K > 1, ``generate`` calls ``decode_steps`` instead: K steps in one
     compiled program, returning their tokens [1, K] and the last token and position.
     ``prefill(ids)``: ``ids`` [1, L] int64 on the device; returns the first new token and its
     position. ``generate(ids, new_tokens, ...)``: a list of at most ``new_tokens`` ints.
     """
 
-    def __init__(self, model, backend: Backend, max_len: int, tokens_per_call: int = 1, **compile_options):
+    def __init__(
+        self, model, backend: Backend, max_len: int, tokens_per_call: int = 1, sampling=None, **compile_options
+    ):
         if tokens_per_call < 1:
             raise ValueError(f"tokens_per_call={tokens_per_call}: one compiled call makes at least one token")
         self.model, self.backend, self.max_len = model, backend, max_len
         self.tokens_per_call = tokens_per_call
+        self.sampler = Sampler(sampling)
+        # a device tensor, set in place by generate: a new seed is a new input, not a recompile
+        self.seed = torch.zeros(1, dtype=torch.long, device=backend.device)
         self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
         self.decode_steps = backend.compile(self.steps, fullgraph=True, **compile_options)
@@ -133,7 +141,8 @@ class Decoder:
         return static_cache(model, max_len)
 
     def step(self, token, position):
-        return greedy_step(self.model, self.cache, token, position)
+        logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
+        return self.sampler(logits[:, -1], position.view(-1) + 1, self.seed), position + 1
 
     def steps(self, token, position):
         """``tokens_per_call`` decode steps in one program (unrolled by the trace), each token
@@ -151,7 +160,7 @@ class Decoder:
         logits = self.model(
             input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
         ).logits
-        return logits[0].argmax(-1, keepdim=True)  # the token after the last real one
+        return self.sampler(logits[0], last + 1, self.seed)  # the token after the last real one
 
     def bucket(self, length: int) -> int:
         """The padded prefill length: the smallest bucket that holds the prompt."""
@@ -161,10 +170,12 @@ class Decoder:
         raise ValueError(f"a {length}-token prompt needs more than the cache's {self.max_len} positions")
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor):
+    def prefill(self, ids: torch.Tensor, start: int = 0):
         """The prompt, right-padded to its bucket, through the model; returns the first new
         token and its position (device tensors). Padding comes after the prompt, so causal
         attention keeps it out of every real position; the cache is then rewound over it."""
+        if start:
+            raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
         length = ids.shape[1]
         padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype, device=ids.device)
         padded[:, :length] = ids
@@ -175,32 +186,58 @@ class Decoder:
 
     @torch.no_grad()
     def generate(
-        self, ids: torch.Tensor, new_tokens: int, readback_every: int = 16, on_tokens=None, stop_ids=None
+        self,
+        ids: torch.Tensor,
+        new_tokens: int,
+        readback_every: int = 16,
+        on_tokens=None,
+        stop_ids=None,
+        seed: int = 0,
+        stop_strings=None,
+        tokenizer=None,
+        streamer=None,
+        start: int = 0,
     ) -> list[int]:
-        """Greedy tokens, at most ``new_tokens``: each chosen on the device and fed straight
-        back; read to the host every ``readback_every`` tokens (1: every token) and at the end.
-        Stops after the first of ``stop_ids`` (default: the model's, as ``generate``), checked
-        once per readback, so without a host round trip per token; ``stop_ids=()``: exactly
-        ``new_tokens`` (timing). ``on_tokens(chunk)`` sees each chunk as it is read."""
+        """At most ``new_tokens`` tokens, each chosen on the device (greedy, or sampled with
+        ``seed``) and fed straight back; read to the host every ``readback_every`` tokens (1:
+        every token) and at the end. Stops after the first of ``stop_ids`` (default: the model's,
+        as ``generate``) or at the first of ``stop_strings`` (with ``tokenizer``, transformers'
+        ``StopStringCriteria``), checked once per readback, so without a host round trip per
+        token; ``stop_ids=()``: exactly ``new_tokens`` (timing). ``on_tokens(chunk)`` sees each
+        chunk as it is read; a transformers ``streamer`` gets the prompt, then each chunk.
+        ``start``: the prompt goes on after that many positions in the cache (see ``prefill``)."""
         k = self.tokens_per_call
-        if ids.shape[1] + new_tokens + k - 1 > self.max_len:
+        if start + ids.shape[1] + new_tokens + k - 1 > self.max_len:
             extra = f" (+ {k - 1}: the last call makes {k})" if k > 1 else ""
+            held = f"{start} positions held + " if start else ""
             raise ValueError(
-                f"prompt {ids.shape[1]} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
+                f"{held}prompt {ids.shape[1]} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
             )
         stops = set(g.stop_ids(self.model) if stop_ids is None else stop_ids)
-        token, position = self.prefill(ids)
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer (tokenizer=...), as in transformers' generate")
+        criteria = stop_strings_criteria(tokenizer, stop_strings)
+        history = ids[0].tolist()
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        self.seed.fill_(seed)
+        token, position = self.prefill(ids, start)
         tokens, pending, made = [], [token], 1
         while True:
             last = made >= new_tokens
             if last or made - len(tokens) >= readback_every:
                 self.backend.flush()
-                chunk = g.until_stop(torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)], stops)
-                stopped, pending = chunk[-1] in stops, []
+                chunk = torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)]
+                keep = first_stop(history + tokens, chunk, stops, criteria)
+                stopped, chunk, pending = keep is not None, chunk[:keep], []
                 if on_tokens is not None:
                     on_tokens(chunk)
+                if streamer is not None:
+                    streamer.put(torch.tensor(chunk))
                 tokens += chunk
                 if last or stopped:
+                    if streamer is not None:
+                        streamer.end()
                     return tokens
             if k == 1:
                 token, position = self.decode_step(token, position)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import html
 import json
 import statistics
 import time
@@ -29,10 +30,9 @@ def stop_ids(model) -> list[int]:
 
 def until_stop(tokens: list[int], stops) -> list[int]:
     """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
-    for i, token in enumerate(tokens):
-        if token in stops:
-            return tokens[: i + 1]
-    return tokens
+    from .sampling import first_stop
+
+    return tokens[: first_stop([], tokens, stops)]
 
 
 def greedy_config(model, new_tokens: int, stop: bool = True):
@@ -54,14 +54,16 @@ def greedy_config(model, new_tokens: int, stop: bool = True):
 
 
 class StepStreamer(TextStreamer):
-    """A transformers streamer that notes when each token reaches the host (and, where the
-    backend counts them, the device programs compiled so far), and shows the text as it
-    comes: into an ipywidgets box in a notebook, with live tok/s; nowhere otherwise."""
+    """A transformers streamer that notes when each token (or chunk of tokens, from a compiled
+    decoder) reaches the host (and, where the backend counts them, the device programs compiled
+    so far), and shows the text as it comes: into an ipywidgets box in a notebook, with live
+    tok/s over the tokens after the first; nowhere otherwise."""
 
     def __init__(self, tokenizer, backend: Backend, widget=None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
         self.backend, self.widget = backend, widget
         self.times: list[float] = []
+        self.counts: list[int] = []  # tokens in each put: the prompt's, then 1 (generate) or a chunk
         self.programs: list[int | None] = []
         self.text = ""
 
@@ -69,15 +71,21 @@ class StepStreamer(TextStreamer):
         self.backend.flush()  # end the step's deferred group, KV cache included (else lazy XLA grows one graph)
         value = value.cpu()  # the token is on the host: the step is done
         self.times.append(time.perf_counter())
+        self.counts.append(value.numel())
         self.programs.append(self.backend.programs_compiled())
         super().put(value)
 
     def on_finalized_text(self, text: str, stream_end: bool = False):
         self.text += text
         if self.widget is not None:
-            steps = len(self.times) - 2
-            rate = f"{steps / (self.times[-1] - self.times[1]):.1f} tok/s" if steps > 0 else ""
-            self.widget.value = f"<pre style='white-space:pre-wrap'>{self.text}</pre><b>{rate}</b>"
+            rate = f"{self.tok_s:.1f} tok/s" if self.tok_s else ""
+            self.widget.value = f"<pre style='white-space:pre-wrap'>{html.escape(self.text)}</pre><b>{rate}</b>"
+
+    @property
+    def tok_s(self) -> float | None:
+        """Tokens per second after the first (which the prefill made), so far; None before two."""
+        steps = sum(self.counts[2:])
+        return steps / (self.times[-1] - self.times[1]) if steps > 0 else None
 
     @property
     def step_seconds(self) -> list[float]:
@@ -110,7 +118,7 @@ def generate(
     streamer = StepStreamer(tokenizer, backend, widget)
     config = greedy_config(model, new_tokens, stop)
     config.update(**kwargs)  # e.g. cache_implementation="static"
-    out = model.generate(ids, generation_config=config, streamer=streamer)
+    out = model.generate(ids, generation_config=config, streamer=streamer, tokenizer=tokenizer)  # for stop_strings
     backend.sync()
     return out.sequences[0, ids.shape[1] :].tolist(), streamer, out
 

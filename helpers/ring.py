@@ -39,7 +39,10 @@ class RingLayer(StaticLayer):
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
         positions, valid = _chunk(kwargs)
-        slots = positions % self.window  # distinct, since a chunk is at most a window long
+        # generate's prefill is the whole prompt: only its last window of positions stays
+        key_states, value_states = key_states[:, :, -self.window :], value_states[:, :, -self.window :]
+        positions, valid = positions[-self.window :], valid[-self.window :]
+        slots = positions % self.window  # distinct: at most a window of positions
         keep = valid.view(1, 1, -1, 1)
         self.keys.index_copy_(2, slots, torch.where(keep, key_states, self.keys.index_select(2, slots)))
         self.values.index_copy_(2, slots, torch.where(keep, value_states, self.values.index_select(2, slots)))
@@ -76,7 +79,9 @@ class RingCache(Cache):
 
     Per chunk: ``masks(positions)`` for the model's ``attention_mask``, the forward with
     ``ring_positions`` and ``ring_valid``, then ``commit(positions, valid)`` records which
-    position each ring slot now holds."""
+    position each ring slot now holds. Passed to transformers' ``generate`` (``cache=``), hooks
+    on the model do these from ``generate``'s own inputs; its prefill may be any length up to
+    ``max_len``."""
 
     def __init__(self, model, max_len: int, chunk_size: int):
         config = model.config.get_text_config()
@@ -100,6 +105,11 @@ class RingCache(Cache):
                 model, lambda attn: RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)
             )
         )
+        _hook_for_generate(model.get_decoder())
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Positions seen so far (the latest is always in the ring): where ``generate`` goes on."""
+        return int(self.slot_positions.max()) + 1
 
     def reset(self) -> None:
         """Forget every position (the buffers are not cleared: masks keep stale slots out)."""
@@ -123,9 +133,45 @@ class RingCache(Cache):
         return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
     def commit(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        positions, valid = positions[-self.window :], valid[-self.window :]
         slots = positions % self.window
         kept = torch.where(valid, positions, self.slot_positions.index_select(0, slots))
         self.slot_positions.index_copy_(0, slots, kept)
+
+
+def _hook_for_generate(text_model) -> None:
+    """Hooks on the text model (once) that give a forward called with a ``RingCache`` but without
+    ring inputs (transformers' ``generate``) the ring's masks and positions, and commit them
+    after. By hand: ``generate`` builds masks that assume keys at positions 0..n, not a ring."""
+    if getattr(text_model, "_ring_hooks", False):
+        return
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache")
+        if not isinstance(cache, RingCache) or "ring_positions" in kwargs:
+            return None
+        inputs = kwargs.get("input_ids")
+        length = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (torch.arange(length) + cache.get_seq_length()).to(cache.slot_positions.device)[None]
+        positions = position_ids[0]
+        if positions.shape[0] > cache.max_len:
+            raise ValueError(f"a {positions.shape[0]}-token forward exceeds the ring cache's {cache.max_len} positions")
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        cache.pending = positions, valid  # committed by the forward hook, after every layer has read the ring
+        kwargs |= {"position_ids": position_ids, "attention_mask": cache.masks(positions)}
+        return args, kwargs | {"ring_positions": positions, "ring_valid": valid}
+
+    def after(module, args, kwargs, output):
+        cache = kwargs.get("cache")
+        if isinstance(cache, RingCache) and getattr(cache, "pending", None) is not None:
+            cache.commit(*cache.pending)
+            cache.pending = None
+
+    text_model.register_forward_pre_hook(before, with_kwargs=True)
+    text_model.register_forward_hook(after, with_kwargs=True)
+    text_model._ring_hooks = True
 
 
 class RingDecoder(Decoder):
@@ -160,34 +206,41 @@ class RingDecoder(Decoder):
 
     def step(self, token, position):
         logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device))
-        return logits[:, -1].argmax(-1, keepdim=True), position + 1
+        return self.sampler(logits[:, -1], position.view(-1) + 1, self.seed), position + 1
 
     def _prefill(self, tokens, positions, valid, last):
-        return self.forward_chunk(tokens, positions, valid)[0].index_select(0, last).argmax(-1, keepdim=True)
+        logits = self.forward_chunk(tokens, positions, valid)[0].index_select(0, last)
+        return self.sampler(logits, positions[0].index_select(0, last) + 1, self.seed)
 
-    def chunks(self, length: int, device):
-        """(start, positions [1, C], valid [C]) for each fixed-size chunk of a ``length``-token prompt."""
+    def chunks(self, length: int, device, offset: int = 0):
+        """(start, positions [1, C], valid [C]) for each fixed-size chunk of a ``length``-token
+        prompt whose first token goes at position ``offset``; ``start`` counts from the prompt's."""
         for start in range(0, length, self.chunk_size):
             # made on the host, then copied: PyTorch/XLA fed a compiled chunk the first call's
             # values for positions computed lazily on the device (measured: slots never advanced)
             positions = torch.arange(start, start + self.chunk_size)
-            yield start, positions[None].to(device), (positions < length).to(device)
+            yield start, (positions + offset)[None].to(device), (positions < length).to(device)
 
     @torch.no_grad()
-    def prefill(self, ids: torch.Tensor):
+    def prefill(self, ids: torch.Tensor, start: int = 0):
         """The prompt in chunks of ``chunk_size`` tokens, the last one padded: a prompt of any
         length compiles one program, and no attention matrix is larger than C x (window + C)
-        or C x max_len. Returns the first new token and its position (device tensors)."""
+        or C x max_len. ``start`` > 0: the tokens go on from that position, after what the
+        cache holds (a chat's next turn; nothing before it is run again). Returns the first
+        new token and its position (device tensors)."""
         length = ids.shape[1]
-        if length > self.max_len:
-            raise ValueError(f"a {length}-token prompt exceeds the cache's {self.max_len} positions")
-        self.cache.reset()
-        for start, positions, valid in self.chunks(length, ids.device):
+        if start + length > self.max_len:
+            raise ValueError(
+                f"{start} positions held + a {length}-token prompt exceed the cache's {self.max_len} positions"
+            )
+        if start == 0:
+            self.cache.reset()
+        for first, positions, valid in self.chunks(length, ids.device, start):
             tokens = torch.zeros(1, self.chunk_size, dtype=ids.dtype, device=ids.device)
-            tokens[:, : min(self.chunk_size, length - start)] = ids[:, start : start + self.chunk_size]
-            last = torch.tensor([min(length - 1 - start, self.chunk_size - 1)], device=ids.device)
+            tokens[:, : min(self.chunk_size, length - first)] = ids[:, first : first + self.chunk_size]
+            last = torch.tensor([min(length - 1 - first, self.chunk_size - 1)], device=ids.device)
             token = self.prefill_step(tokens, positions, valid, last)
-        return token, torch.tensor([[length]], device=ids.device)
+        return token, torch.tensor([[start + length]], device=ids.device)
 
 
 @torch.no_grad()
@@ -271,3 +324,38 @@ def run_step(backend, results) -> dict:
     from . import decode
 
     return decode.compiled_run(backend, results, STEP, "ring cache", SOURCE_TOK_S, after=5, decoder_class=RingDecoder)
+
+
+@torch.no_grad()
+def generate_on_ring(model, ids, new_tokens: int, max_len: int, compiled: bool = False):
+    """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
+    ``new_tokens``). ``compiled``: the forward compiled as HF's recipe does, counting the graphs
+    dynamo makes before each token reaches the host (its ``eager`` backend: when dynamo
+    recompiles does not depend on the backend). Returns (tokens, the cache, graphs per token;
+    None when not compiled)."""
+    from torch._dynamo.utils import counters
+
+    from .generate import greedy_config
+
+    class Graphs:  # a streamer that only counts
+        def __init__(self):
+            self.seen: list[int] = []
+
+        def put(self, value):
+            self.seen.append(counters["stats"]["unique_graphs"])
+
+        def end(self):
+            pass
+
+    cache, graphs = RingCache(model, max_len, model.config.get_text_config().sliding_window), Graphs()
+    if compiled:
+        model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
+    try:
+        out = model.generate(
+            ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
+        )
+    finally:
+        if compiled:
+            del model.forward  # back to the class's own, eager
+    per_token = [b - a for a, b in zip(graphs.seen, graphs.seen[1:])] if compiled else None
+    return out.sequences[0, ids.shape[1] :].tolist(), cache, per_token

@@ -1,0 +1,144 @@
+"""A chat on the ring cache: each turn's tokens go in at the cache's current position (prefilled
+in chunks), so the history is never run again, and the reply streams as it is made."""
+
+from __future__ import annotations
+
+import torch
+
+from . import checkpoint as ck
+from .decode import cache_bytes
+from .ring import RingDecoder
+
+_SENTINEL = "\x00reply\x00"  # stands for the last reply while the template renders the next turn
+
+
+class Chat:
+    """A conversation with ``decoder``'s model, kept in its ring cache between turns.
+
+    Args: ``decoder``, a ``RingDecoder`` (its ``sampling``: greedy or sampled); ``tokenizer``,
+    with its chat template; ``max_new_tokens``, the most tokens a reply may have; ``seed``, the
+    first turn's (turn i uses ``seed + i``); ``generate_kwargs`` go to ``decoder.generate``
+    (``stop_strings`` with the tokenizer, for instance).
+
+    ``say(text, streamer=None)`` returns the reply's text; ``tokens`` is the whole conversation
+    as token ids, the reply's last token included (the one the cache has not yet seen);
+    ``replies`` the token ids of each reply; ``status()`` the context length and cache bytes."""
+
+    def __init__(self, decoder: RingDecoder, tokenizer, max_new_tokens: int = 64, seed: int = 0, **generate_kwargs):
+        if not isinstance(decoder, RingDecoder):
+            raise TypeError(
+                f"a chat keeps its cache between turns: it needs a RingDecoder, not {type(decoder).__name__}"
+            )
+        self.decoder, self.tokenizer, self.max_new_tokens = decoder, tokenizer, max_new_tokens
+        self.seed, self.generate_kwargs = seed, generate_kwargs
+        self.messages: list[dict] = []
+        self.tokens: list[int] = []
+        self.replies: list[list[int]] = []
+
+    def turn_ids(self, text: str) -> list[int]:
+        """The new user turn's tokens as the chat template writes them after the history: what
+        closes the last reply (less the stop token it ended with), then the turn and the
+        model's prompt. The first turn starts with BOS."""
+        device = self.decoder.backend.device
+        if not self.messages:
+            return ck.chat_ids(self.tokenizer, device, prompt=text)[0].tolist()
+        history = self.messages[:-1] + [{"role": "assistant", "content": _SENTINEL}]
+        before = self.tokenizer.apply_chat_template(history, tokenize=False)
+        after = self.tokenizer.apply_chat_template(
+            history + [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        if not after.startswith(before):
+            raise ValueError("this chat template rewrites earlier turns: each turn cannot go after the cache's")
+        closing = before.split(_SENTINEL, 1)[1]
+        ended = self.tokenizer.decode(self.tokens[-1:])
+        if closing.startswith(ended):  # the reply's stop token is the template's own end of turn
+            closing = closing[len(ended) :]
+        return self.tokenizer(closing + after[len(before) :], add_special_tokens=False).input_ids
+
+    def say(self, text: str, streamer=None) -> str:
+        """The model's reply to ``text``: the turn prefilled after what the cache holds, then
+        decoded with a readback every token (so the cache never holds tokens past the reply's
+        end, which the next turn would have to overwrite) until a stop id or ``max_new_tokens``."""
+        turn = self.turn_ids(text)
+        held = max(len(self.tokens) - 1, 0)  # the last reply's last token is not in the cache yet
+        new = self.tokens[held:] + turn
+        need = held + len(new) + self.max_new_tokens
+        if need > self.decoder.max_len:
+            raise ValueError(
+                f"this turn would take the context to {need} positions (held {held} + turn {len(new)} + reply "
+                f"up to {self.max_new_tokens}), past the full layers' buffer of {self.decoder.max_len}: "
+                "start a new Chat, or a RingDecoder with a larger max_len"
+            )
+        ids = torch.tensor([new], device=self.decoder.backend.device)
+        reply = self.decoder.generate(
+            ids,
+            self.max_new_tokens,
+            readback_every=1,
+            start=held,
+            seed=self.seed + len(self.replies),
+            streamer=streamer,
+            **self.generate_kwargs,
+        )
+        self.tokens = self.tokens[:held] + new + reply
+        self.replies.append(reply)
+        answer = self.tokenizer.decode(reply, skip_special_tokens=True)
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+        return answer
+
+    def status(self) -> dict:
+        """The context so far (positions) and the cache's bytes (all allocated up front)."""
+        return {
+            "context": len(self.tokens),
+            "max_len": self.decoder.max_len,
+            "cache_bytes": cache_bytes(self.decoder.cache),
+        }
+
+
+def chat_widget(chat: Chat):
+    """An ipywidgets chat on ``chat``: type a message, then Enter or Send; the reply streams in
+    with live tok/s (``StepStreamer``), then the context and the cache's bytes. Returns the
+    widget; its ``submit(text)`` sends a message as the button does (a scripted conversation)."""
+    import html
+
+    import ipywidgets as w
+    from IPython.display import display
+
+    from .bench import fmt_bytes
+    from .generate import StepStreamer
+
+    log, live = w.HTML(), w.HTML()
+    box = w.Text(placeholder="a message, then Enter", continuous_update=False, layout=w.Layout(width="70%"))
+    send = w.Button(description="Send")
+
+    def submit(text: str) -> None:
+        text = text.strip()
+        if not text:
+            return
+        box.disabled = send.disabled = True
+        try:
+            streamer = StepStreamer(chat.tokenizer, chat.decoder.backend, widget=live)
+            reply = chat.say(text, streamer)
+            status = chat.status()
+            rate = f"{streamer.tok_s:.1f} tok/s · " if streamer.tok_s else ""
+            log.value += (
+                f"<p><b>you:</b> {html.escape(text)}<br><b>model:</b> {html.escape(reply)}<br><small>{rate}"
+                f"context {status['context']} of {status['max_len']} positions · cache "
+                f"{fmt_bytes(status['cache_bytes'])}</small></p>"
+            )
+            live.value = ""
+        except ValueError as err:  # the conversation would pass the cache: said, not raised into the widget
+            live.value = f"<b>{html.escape(str(err))}</b>"
+        finally:
+            box.disabled = send.disabled = False
+
+    def on_enter(change):
+        if change["new"]:
+            box.value = ""  # fires again with "", which submit ignores
+            submit(change["new"])
+
+    box.observe(on_enter, "value")
+    send.on_click(lambda _: on_enter({"new": box.value}))
+    ui = w.VBox([log, live, w.HBox([box, send])])
+    ui.submit = submit
+    display(ui)
+    return ui

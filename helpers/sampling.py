@@ -1,0 +1,109 @@
+"""Sampling inside a compiled decode step: temperature, top-k and top-p with the names and
+semantics of transformers' ``GenerationConfig`` (its own logits warpers, in ``generate``'s
+order), then one draw per token by the Gumbel-max trick from noise keyed on (seed, position):
+no generator state in the compiled program, no host round trip, and the same tokens whatever
+the tokens per call."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, StopStringCriteria
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+# the sampling settings the compiled step runs; generate's other warpers are refused, not ignored
+UNSUPPORTED = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+_M32 = 0xFFFFFFFF
+
+
+def sampling_config(**settings) -> GenerationConfig:
+    """A ``GenerationConfig`` with ``do_sample=True`` and the given settings (temperature,
+    top_k, top_p, ...), validated by transformers."""
+    config = GenerationConfig(do_sample=True, **settings)
+    config.validate(strict=True)
+    return config
+
+
+class Sampler:
+    """Chooses the next token from logits on the device.
+
+    Args: ``config``, a ``GenerationConfig`` (None or ``do_sample=False``: greedy). With
+    ``do_sample=True`` its ``temperature``, ``top_k`` and ``top_p`` are applied as ``generate``
+    applies them (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
+    ``TopPLogitsWarper``, in that order; a 1.0 or a 0/None is skipped, as there).
+
+    ``sampler(logits [N, vocab], positions [N] int64, seed [1] int64)`` returns tokens [N, 1]:
+    the argmax, or one draw from the warped distribution for each row, where row i's noise is a
+    fixed function of ``seed`` and ``positions[i]`` (the position the new token will take)."""
+
+    def __init__(self, config: GenerationConfig | None = None):
+        self.do_sample = bool(config is not None and config.do_sample)
+        self.warpers = LogitsProcessorList()
+        if not self.do_sample:
+            return
+        refused = [name for name in UNSUPPORTED if getattr(config, name, None) not in (None, 1.0)]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not in the compiled step (temperature, top_k and top_p are)")
+        if config.temperature is not None and config.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=config.top_p))
+
+    def __repr__(self) -> str:
+        warpers = ", ".join(type(w).__name__ for w in self.warpers) or "none"
+        return f"Sampler(do_sample={self.do_sample}, warpers: {warpers})"
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token);
+        their softmax is the distribution one draw follows."""
+        return self.warpers(None, logits.float())
+
+    def __call__(self, logits: torch.Tensor, positions: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        if not self.do_sample:
+            return logits.argmax(-1, keepdim=True)
+        noise = gumbel(seed, positions, logits.shape[-1])
+        return (self.scores(logits) + noise).argmax(-1, keepdim=True)
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id). Written by hand:
+    torch's generators keep state a compiled program cannot carry between calls, and integer
+    arithmetic gives the same noise on every backend."""
+    key = _mix32(_mix32(seed.view(1, 1) & _M32) ^ (positions.view(-1, 1) & _M32))
+    bits = _mix32(key ^ torch.arange(vocab, device=positions.device).view(1, -1))
+    uniform = ((bits >> 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
+    return -torch.log(-torch.log(uniform))
+
+
+def stop_strings_criteria(tokenizer, stop_strings) -> StopStringCriteria | None:
+    """transformers' own check for stop strings, or None for none."""
+    if not stop_strings:
+        return None
+    return StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+
+
+def first_stop(history: list[int], chunk: list[int], stop_ids, criteria: StopStringCriteria | None = None):
+    """How many of ``chunk``'s tokens to keep when it stops: up to and including the first stop
+    id, or the first token that completes a stop string (``criteria``, checked against
+    ``history`` then the chunk, as ``generate`` checks it after every token); None if it goes on."""
+    for i, token in enumerate(chunk):
+        if token in stop_ids:
+            return i + 1
+        if criteria is not None and bool(criteria(torch.tensor([history + chunk[: i + 1]]), None)[0]):
+            return i + 1
+    return None
