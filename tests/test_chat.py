@@ -1,0 +1,81 @@
+"""The ring cache inside transformers' generate, and a chat that keeps its cache across turns."""
+
+import pytest
+import torch
+
+import helpers
+from helpers import chat as c
+from helpers import generate as g
+from helpers import ring
+
+TURNS = ["Explain why compilation matters on a TPU, in two sentences.", "And on a GPU?"]
+
+
+@pytest.fixture(scope="module")
+def series():
+    return helpers.series.prepare(helpers.get_backend(), after=5)
+
+
+def test_generate_with_the_ring_cache_gives_its_default_caches_tokens_past_the_window(series):
+    model, n = series.model, 12
+    window = model.config.sliding_window
+    prompt = torch.randint(3, model.config.vocab_size, (1, 3 * window + 5), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.to(series.ids.device)
+    with torch.no_grad():
+        default = model.generate(prompt, generation_config=g.greedy_config(model, n, stop=False))
+    tokens, cache, graphs = ring.generate_on_ring(model, prompt, n, max_len=128)
+    assert tokens == default.sequences[0, prompt.shape[1] :].tolist() and graphs is None
+    assert cache.get_seq_length() == prompt.shape[1] + n - 1  # the last token is made, not yet fed
+    assert sorted(cache.slot_positions.tolist()) == list(
+        range(prompt.shape[1] + n - 1 - window, prompt.shape[1] + n - 1)
+    )
+
+
+def test_generates_compiled_forward_drives_the_ring_without_a_recompile_per_token(series):
+    torch._dynamo.reset()
+    eager, _, _ = ring.generate_on_ring(series.model, series.ids, 10, max_len=128)
+    tokens, _, graphs = ring.generate_on_ring(series.model, series.ids, 10, max_len=128, compiled=True)
+    assert tokens == eager
+    assert graphs[:2] == [1, 1] and sum(graphs[2:]) == 0  # the prefill, the first step, then none
+
+
+@pytest.fixture(scope="module")
+def conversation(series):
+    decoder = ring.RingDecoder(series.model, helpers.get_backend(), max_len=256, chunk_size=16)
+    chat = c.Chat(decoder, series.tokenizer, max_new_tokens=10)
+    return chat, [chat.say(text) for text in TURNS]
+
+
+def test_turn_two_equals_the_whole_conversation_as_one_prompt_with_no_cache(conversation, series):
+    chat, answers = conversation
+    assert chat.replies[0] == series.reference[:10]  # turn 1 is the series' prompt: notebook 03's answer
+    history = chat.tokens[: len(chat.tokens) - len(chat.replies[1])]
+    config = g.greedy_config(series.model, 10)
+    config.use_cache = False
+    with torch.no_grad():
+        out = series.model.generate(torch.tensor([history], device=series.ids.device), generation_config=config)
+    assert chat.replies[1] == out.sequences[0, len(history) :].tolist()
+    assert answers[1] == series.tokenizer.decode(chat.replies[1], skip_special_tokens=True)
+    text = series.tokenizer.decode(history)
+    assert text.count("<start_of_turn>user") == 2 and TURNS[1] in text
+
+
+def test_each_turn_goes_in_after_the_cache_and_a_too_long_one_is_refused(conversation):
+    chat, _ = conversation
+    status = chat.status()
+    assert status["context"] == len(chat.tokens) and status["cache_bytes"] > 0
+    assert chat.turn_ids("x")[0] != chat.tokenizer.bos_token_id  # no second BOS: the history is not sent again
+    with pytest.raises(ValueError, match="past the full layers' buffer of 256"):
+        chat.say("word " * 300)
+    assert chat.status() == status  # refused before anything changed
+
+
+def test_the_chat_widget_streams_a_scripted_turn(conversation, series):
+    pytest.importorskip("ipywidgets")
+    chat = c.Chat(conversation[0].decoder, series.tokenizer, max_new_tokens=6)  # a new chat: the cache starts over
+    ui = c.chat_widget(chat)
+    ui.submit(TURNS[0])
+    log, live = ui.children[0].value, ui.children[1].value
+    assert "tok/s" in log and "context" in log and chat.messages[1]["content"] in log and live == ""
+    ui.submit("word " * 300)  # past the 256 positions: said in the widget, nothing raised
+    assert "past the full layers" in ui.children[1].value and len(chat.replies) == 1
