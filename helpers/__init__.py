@@ -72,6 +72,7 @@ _EXPORTS = {
 _MODULES = {
     "backend",
     "bench",
+    "chat",
     "checkpoint",
     "course",
     "decode",
@@ -85,6 +86,7 @@ _MODULES = {
     "qtable",
     "ring",
     "roofline",
+    "sampling",
     "series",
     "setup",
     "tour",

@@ -1,0 +1,212 @@
+# ---
+# jupyter:
+#   accelerator: TPU
+#   colab:
+#     gpuType: V5E1
+#     provenance: []
+#   jupytext:
+#     formats: ipynb,py:percent
+#     notebook_metadata_filter: accelerator,colab
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · Use it: sampling, stopping at the end of a turn, a chat, the ring inside `generate`
+#
+# **What the source measured:** nothing here: it decoded a fixed count of greedy tokens, as
+# notebooks 03-07 do to compare steps. People who copy these cells want more: sampled text,
+# a reply that stops where a turn ends, and a conversation whose history is not run again.
+#
+# Here, on notebook 06's ring cache: temperature, top-k and top-p chosen on the device inside
+# the compiled step, with transformers' own names and warpers; stop ids and stop strings checked
+# once per readback; a chat that appends each turn to the cache; and the ring cache handed to
+# transformers' own `generate`. The twin of the checkpoint only knows a few answers, so its
+# sampled text is odd: the checks are about the mechanics, the real checkpoint makes the prose.
+
+# ## Set up
+
+# %%
+# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
+import importlib.util
+import os
+import subprocess
+import sys
+
+COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
+COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
+COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
+if importlib.util.find_spec("helpers") is None:
+    if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
+        fetch = subprocess.run(
+            ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "GIT_TERMINAL_PROMPT": "0"},
+        )
+        if fetch.returncode:
+            raise SystemExit(
+                f"could not fetch the course from {COURSE_REPO} ({COURSE_REF}): {fetch.stderr.strip()}\n"
+                "Set COURSE_REPO to your copy, a URL or a folder: os.environ['COURSE_REPO'] = '...', then rerun."
+            )
+        print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
+    sys.path.insert(0, COURSE_DIR)
+import helpers
+
+helpers.install_missing()
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+
+from helpers.bench import fmt_bytes, table
+
+backend = helpers.get_backend()
+series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
+checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
+MAX_LEN = 256 if checkpoint.tiny else 8192  # the chat's context: the full layers' buffer
+
+# %% [markdown]
+# ## Sampling inside the compiled step
+# **What we test:** transformers' `GenerationConfig` names (`do_sample`, `temperature`,
+# `top_k`, `top_p`) run by its own warpers, in `generate`'s order, on the device; one draw per
+# token by the Gumbel-max trick: the argmax of the warped scores plus noise that is a fixed
+# function of (seed, position). No generator state lives in the compiled program, so a new
+# seed is a new input, not a recompile, and one seed gives the same tokens twice.
+
+# %%
+helpers.show(helpers.sampling.Sampler.__call__, helpers.sampling.gumbel)
+
+# %%
+settings = helpers.sampling.sampling_config(temperature=1.0, top_k=64, top_p=0.95)  # pick your own
+sampled = helpers.ring.RingDecoder(model, backend, max_len=MAX_LEN, sampling=settings)
+print(sampled.sampler)
+with backend.compile_counter() as first:
+    one = sampled.generate(ids, series.new_tokens, seed=0)
+with backend.compile_counter() as again:
+    runs = {seed: sampled.generate(ids, series.new_tokens, seed=seed) for seed in (0, 1, 2)}
+print(table([{"seed": s, "text": tokenizer.decode(t, skip_special_tokens=True)[:70]} for s, t in runs.items()]))
+print(f"graphs compiled: {first.graphs} on the first call (prefill chunk, step), {again.graphs} for three more seeds")
+assert runs[0] == one and again.graphs == 0
+
+# %% [markdown]
+# **What you should see:** seed 0 twice gives the same text, and nothing compiles after the
+# first call. A draw follows the warped distribution: 2,000 draws of the first token (each
+# with its own position, so its own noise), beside the probabilities transformers' warpers
+# give, at temperature 1.5 so that more than one token has a chance.
+
+# %%
+hot = helpers.sampling.Sampler(helpers.sampling.sampling_config(temperature=1.5, top_k=64, top_p=0.95))
+with torch.no_grad():
+    logits = model(ids).logits[:, -1].float()
+probs = hot.scores(logits).softmax(-1)[0].cpu()
+counts = torch.zeros_like(probs)
+for start in range(0, 2000, 250):  # in blocks: 250 rows of E2B's 262,144 logits are 262 MB
+    rows = torch.arange(start, start + 250, device=logits.device)
+    drawn = hot(logits.expand(250, -1), rows, torch.tensor([0], device=logits.device))
+    counts += torch.bincount(drawn.view(-1).cpu(), minlength=probs.numel())
+top = probs.argsort(descending=True)[:8]
+fig, ax = plt.subplots(figsize=(8, 3))
+x = torch.arange(len(top))
+ax.bar(x - 0.2, probs[top], 0.4, label="transformers' warped probability")
+ax.bar(x + 0.2, counts[top] / 2000, 0.4, label="share of 2,000 draws")
+ax.set_xticks(x, [repr(tokenizer.decode([int(t)])) for t in top], rotation=30)
+ax.set_ylabel("probability")
+ax.set_title("the first token, sampled on the device (measured in this run)")
+ax.legend()
+assert counts[probs == 0].sum() == 0  # what top-k and top-p remove is never drawn
+
+# %% [markdown]
+# ## Stopping at the end of a turn, streamed
+# **What we test:** `generate`'s stop ids (the generation config's EOS list: `<eos>`,
+# `<end_of_turn>`) and stop strings (transformers' `StopStringCriteria`), checked once per
+# readback of 4 tokens, so without a host round trip per token; the text streams into the
+# same widget as notebook 03, with live tok/s.
+
+# %%
+widget = helpers.generate.text_widget()
+streamer = helpers.generate.StepStreamer(tokenizer, backend, widget)
+stop = "."
+tokens = sampled.generate(
+    ids, series.new_tokens, readback_every=4, seed=0, stop_strings=[stop], tokenizer=tokenizer, streamer=streamer
+)
+text = tokenizer.decode(tokens, skip_special_tokens=True)
+print(f"{len(tokens)} tokens, {streamer.tok_s or 0:.1f} tok/s after the first: {text!r}")
+assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tokens) == series.new_tokens
+
+# %% [markdown]
+# **What you should see:** the text ends at the first full stop (or at `<end_of_turn>`, or at
+# the length, if it comes first). Tokens made after the stop within the same readback are
+# dropped: that is the price of not reading each token back.
+#
+# ## The ring cache inside transformers' `generate`
+# **What we test:** `generate` given a `RingCache` (`cache=`) gives its default cache's
+# tokens for a prompt three windows long. `generate` builds masks that assume keys at
+# positions 0..n; hooks on the model give its forward the ring's masks and positions instead.
+# With the forward compiled (HF's recipe), the graphs dynamo makes before each token: the
+# prefill, the first step, then none, where HF's own static cache recompiled every position
+# (notebook 04).
+
+# %%
+window = model.config.get_text_config().sliding_window
+long = torch.randint(3, model.config.vocab_size, (1, 3 * window + 5), generator=torch.Generator().manual_seed(0))
+long = long.to(backend.device)
+n = min(series.new_tokens, 12)
+with torch.no_grad():
+    default = model.generate(long, generation_config=helpers.generate.greedy_config(model, n, stop=False))
+on_ring, cache, _ = helpers.ring.generate_on_ring(model, long, n, max_len=MAX_LEN)
+_, _, graphs = helpers.ring.generate_on_ring(model, long, n, max_len=MAX_LEN, compiled=True)
+print(f"prompt {long.shape[1]} tokens (window {window}); ring cache {fmt_bytes(helpers.decode.cache_bytes(cache))}")
+print("same tokens as the default cache:", on_ring == default.sequences[0, long.shape[1] :].tolist())
+print("graphs compiled before each token, forward compiled:", graphs)
+assert on_ring == default.sequences[0, long.shape[1] :].tolist() and sum(graphs[2:]) == 0
+
+# %% [markdown]
+# **What you should see:** the same tokens, and graphs `[1, 1, 0, 0, ...]`. `generate` still
+# makes one host round trip per token and runs its warpers on the host side of that trip, so
+# `RingDecoder.generate` stays the fast path; this is for code that must call `generate`.
+#
+# ## A chat that keeps its cache
+# **What we test:** each turn's tokens, as the chat template writes them, prefilled in chunks
+# at the cache's current position: the history is never run again. After each turn, the
+# context and the cache's bytes (allocated once: the ring's sliding layers hold a window, the
+# full layers `MAX_LEN` positions); before a turn would pass the full layers' buffer, a clear
+# message instead. The tests check that turn 2's tokens equal those of the whole conversation
+# given as one prompt to the model with no cache.
+
+# %%
+helpers.show(helpers.chat.Chat.say)
+
+# %%
+chat = helpers.chat.Chat(sampled, tokenizer, max_new_tokens=series.new_tokens)
+for message in ["Explain why compilation matters on a TPU, in two sentences.", "And on a GPU?"]:
+    reply = chat.say(message)
+    status = chat.status()
+    print(f"you: {message}\nmodel: {reply}")
+    print(f"   context {status['context']} of {status['max_len']} positions, cache {fmt_bytes(status['cache_bytes'])}")
+assert len(chat.replies) == 2 and chat.status()["context"] == len(chat.tokens)
+
+# %% [markdown]
+# ## Talk to it
+# The same chat in a widget: type a message, then Enter. The reply streams in with its tok/s;
+# the context and the cache follow. (Here a scripted turn runs first, so the cell is checked
+# when the notebook runs unattended.)
+
+# %%
+ui = helpers.chat.chat_widget(helpers.chat.Chat(sampled, tokenizer, max_new_tokens=series.new_tokens))
+ui.submit("Hello!")
+
+# %% [markdown]
+# **What you should see:** your turns and the model's, each with its tok/s and the context so
+# far. On the tiny twin the replies are the few answers it was trained on; on the real
+# checkpoint, Gemma. Everything in this notebook past the twin (E2B's sampled prose, its
+# tok/s on a TPU) is a path the course's builders could not run: no TPU and no real weights
+# where it is built.
