@@ -39,9 +39,9 @@ class RingLayer(StaticLayer):
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
         positions, valid = _chunk(kwargs)
-        # generate's prefill is the whole prompt: only its last window of positions stays
-        key_states, value_states = key_states[:, :, -self.window :], value_states[:, :, -self.window :]
-        positions, valid = positions[-self.window :], valid[-self.window :]
+        if key_states.shape[2] > self.window:  # generate's prefill, the whole prompt: its last window stays
+            key_states, value_states = key_states[:, :, -self.window :], value_states[:, :, -self.window :]
+            positions, valid = positions[-self.window :], valid[-self.window :]
         slots = positions % self.window  # distinct: at most a window of positions
         keep = valid.view(1, 1, -1, 1)
         self.keys.index_copy_(2, slots, torch.where(keep, key_states, self.keys.index_select(2, slots)))
@@ -133,7 +133,8 @@ class RingCache(Cache):
         return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
     def commit(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        positions, valid = positions[-self.window :], valid[-self.window :]
+        if positions.shape[0] > self.window:  # as in RingLayer.update (XLA refuses a slice past the start)
+            positions, valid = positions[-self.window :], valid[-self.window :]
         slots = positions % self.window
         kept = torch.where(valid, positions, self.slot_positions.index_select(0, slots))
         self.slot_positions.index_copy_(0, slots, kept)
@@ -230,9 +231,8 @@ class RingDecoder(Decoder):
         new token and its position (device tensors)."""
         length = ids.shape[1]
         if start + length > self.max_len:
-            raise ValueError(
-                f"{start} positions held + a {length}-token prompt exceed the cache's {self.max_len} positions"
-            )
+            held, verb = (f"{start} positions held + ", "exceed") if start else ("", "exceeds")
+            raise ValueError(f"{held}a {length}-token prompt {verb} the cache's {self.max_len} positions")
         if start == 0:
             self.cache.reset()
         for first, positions, valid in self.chunks(length, ids.device, start):
@@ -327,12 +327,13 @@ def run_step(backend, results) -> dict:
 
 
 @torch.no_grad()
-def generate_on_ring(model, ids, new_tokens: int, max_len: int, compiled: bool = False):
+def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
     """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
     ``new_tokens``). ``compiled``: the forward compiled as HF's recipe does, counting the graphs
     dynamo makes before each token reaches the host (its ``eager`` backend: when dynamo
     recompiles does not depend on the backend). Returns (tokens, the cache, graphs per token;
-    None when not compiled)."""
+    None when not compiled). Each token ends ``backend``'s deferred group, as notebook 03's
+    streamer does (else lazy XLA grows one graph over the whole run)."""
     from torch._dynamo.utils import counters
 
     from .generate import greedy_config
@@ -342,6 +343,7 @@ def generate_on_ring(model, ids, new_tokens: int, max_len: int, compiled: bool =
             self.seen: list[int] = []
 
         def put(self, value):
+            backend.flush()
             self.seen.append(counters["stats"]["unique_graphs"])
 
         def end(self):

@@ -21,10 +21,9 @@ def test_generate_with_the_ring_cache_gives_its_default_caches_tokens_past_the_w
     window = model.config.sliding_window
     prompt = torch.randint(3, model.config.vocab_size, (1, 3 * window + 5), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(series.ids.device)
-    with torch.no_grad():
-        default = model.generate(prompt, generation_config=g.greedy_config(model, n, stop=False))
-    tokens, cache, graphs = ring.generate_on_ring(model, prompt, n, max_len=128)
-    assert tokens == default.sequences[0, prompt.shape[1] :].tolist() and graphs is None
+    default, _, _ = g.generate(model, series.tokenizer, prompt, helpers.get_backend(), n, stop=False)
+    tokens, cache, graphs = ring.generate_on_ring(model, prompt, helpers.get_backend(), n, max_len=128)
+    assert tokens == default and graphs is None
     assert cache.get_seq_length() == prompt.shape[1] + n - 1  # the last token is made, not yet fed
     assert sorted(cache.slot_positions.tolist()) == list(
         range(prompt.shape[1] + n - 1 - window, prompt.shape[1] + n - 1)
@@ -33,8 +32,10 @@ def test_generate_with_the_ring_cache_gives_its_default_caches_tokens_past_the_w
 
 def test_generates_compiled_forward_drives_the_ring_without_a_recompile_per_token(series):
     torch._dynamo.reset()
-    eager, _, _ = ring.generate_on_ring(series.model, series.ids, 10, max_len=128)
-    tokens, _, graphs = ring.generate_on_ring(series.model, series.ids, 10, max_len=128, compiled=True)
+    eager, _, _ = ring.generate_on_ring(series.model, series.ids, helpers.get_backend(), 10, max_len=128)
+    tokens, _, graphs = ring.generate_on_ring(
+        series.model, series.ids, helpers.get_backend(), 10, max_len=128, compiled=True
+    )
     assert tokens == eager
     assert graphs[:2] == [1, 1] and sum(graphs[2:]) == 0  # the prefill, the first step, then none
 
