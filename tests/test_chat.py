@@ -31,11 +31,14 @@ def test_generate_with_the_ring_cache_gives_its_default_caches_tokens_past_the_w
 
 
 def test_generates_compiled_forward_drives_the_ring_without_a_recompile_per_token(series):
+    backend = helpers.get_backend()
+    if backend.name == "xla":  # refused up front, not a crash of the process
+        with pytest.raises(NotImplementedError, match="use RingDecoder.generate"):
+            ring.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
+        return
     torch._dynamo.reset()
-    eager, _, _ = ring.generate_on_ring(series.model, series.ids, helpers.get_backend(), 10, max_len=128)
-    tokens, _, graphs = ring.generate_on_ring(
-        series.model, series.ids, helpers.get_backend(), 10, max_len=128, compiled=True
-    )
+    eager, _, _ = ring.generate_on_ring(series.model, series.ids, backend, 10, max_len=128)
+    tokens, _, graphs = ring.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
     assert tokens == eager
     assert graphs[:2] == [1, 1] and sum(graphs[2:]) == 0  # the prefill, the first step, then none
 
@@ -49,7 +52,8 @@ def conversation(series):
 
 def test_turn_two_equals_the_whole_conversation_as_one_prompt_with_no_cache(conversation, series):
     chat, answers = conversation
-    assert chat.replies[0] == series.reference[:10]  # turn 1 is the series' prompt: notebook 03's answer
+    known = min(10, len(series.reference))  # the reference is 8 tokens on xla
+    assert chat.replies[0][:known] == series.reference[:known]  # turn 1 is the series' prompt: notebook 03's answer
     history = chat.tokens[: len(chat.tokens) - len(chat.replies[1])]
     config = g.greedy_config(series.model, 10)
     config.use_cache = False
