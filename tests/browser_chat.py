@@ -16,6 +16,7 @@ from playwright.sync_api import TimeoutError, sync_playwright
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHOT = ROOT / "runs" / "browser" / "chat.png"
+LAB_LOG = SHOT.with_name("jupyterlab.log")  # the server's own log, kept for a failed run
 MESSAGE = "Tell me about the ring cache."
 
 
@@ -25,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(port: int, token: str) -> subprocess.Popen:
+def serve(port: int, token: str, log) -> subprocess.Popen:
     """JupyterLab on localhost, the repository as its root, this environment's kernel."""
     lab = subprocess.Popen(
         [
@@ -39,7 +40,7 @@ def serve(port: int, token: str) -> subprocess.Popen:
             f"--IdentityProvider.token={token}",
             f"--ServerApp.root_dir={ROOT}",
         ],
-        stdout=open(os.environ.get("LAB_LOG", os.devnull), "w"),
+        stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "MPLBACKEND": "Agg"},
     )
@@ -50,7 +51,7 @@ def serve(port: int, token: str) -> subprocess.Popen:
         except OSError:
             time.sleep(0.5)
     lab.kill()
-    raise SystemExit("JupyterLab did not start on localhost")
+    raise SystemExit(f"JupyterLab did not start on localhost: see {LAB_LOG}")
 
 
 def run_all(page) -> None:
@@ -70,7 +71,9 @@ def run_all(page) -> None:
 
 def main() -> None:
     port, token = free_port(), secrets.token_hex(16)
-    lab = serve(port, token)
+    SHOT.parent.mkdir(parents=True, exist_ok=True)
+    with open(LAB_LOG, "w") as log:
+        lab = serve(port, token, log)
     try:
         with sync_playwright() as p:
             browser = p.chromium.launch(
@@ -96,7 +99,6 @@ def main() -> None:
                 timeout=10 * 60_000,
             )
             box.scroll_into_view_if_needed()
-            SHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SHOT), full_page=False)
             log = page.locator(".widget-html-content", has_text=MESSAGE).first.inner_text()
             browser.close()
