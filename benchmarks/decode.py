@@ -6,10 +6,10 @@ course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per
 matmul each (notebook 07). The timed runs are interleaved
 (every loop once per round), so a busy moment of a shared machine hits them all alike.
 
-    python benchmarks/decode.py [--tokens 64] [--rounds 3] [--k 8] [--profile]
+    python benchmarks/decode.py [--tokens 64] [--rounds 3] [--k 4] [--profile]
 
 Prints tok/s, ratios to (a) and (b), and the roofline: bytes one step reads (from the
-tensors), GB/s, and % of this machine's read bandwidth (a matrix-vector probe, same run).
+tensors), GB/s, and % of this machine's read bandwidth (a read probe, same run).
 --profile adds where (c)'s time goes (torch.profiler, top ops).
 """
 
@@ -31,7 +31,7 @@ from helpers.qlinear import QLinear
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=64)
 parser.add_argument("--rounds", type=int, default=3)
-parser.add_argument("--k", type=int, default=8, help="decode steps per compiled call for (d) to (g)")
+parser.add_argument("--k", type=int, default=4, help="decode steps per compiled call for (d) to (h)")
 parser.add_argument("--profile", action="store_true")
 args = parser.parse_args()
 
@@ -68,25 +68,34 @@ def fused_copy():
     return copied
 
 
-compiled_forward = torch.compile(model.forward)  # HF's recipe: static cache, forward compiled
+loops_options = backend.matvec_loop_options() or {}
 
 
-def hf_static():
-    model.forward = compiled_forward
-    try:
-        return hf(cache_implementation="static")
-    finally:
-        del model.forward  # back to the class's own, eager
+def hf_static(forward):
+    def run():
+        model.forward = forward
+        try:
+            return hf(cache_implementation="static")
+        finally:
+            del model.forward  # back to the class's own, eager
+
+    return run
 
 
+k = args.k
 decoders = {
     "(c) compiled step, K=1": d.Decoder(model, backend, max_len),
-    f"(d) compiled, K={args.k}": d.Decoder(model, backend, max_len, tokens_per_call=args.k),
-    f"(e) int8 linears, K={args.k}": d.Decoder(compressed("int8"), backend, max_len, tokens_per_call=args.k),
-    f"(f) int4 linears, K={args.k}": d.Decoder(compressed("int4"), backend, max_len, tokens_per_call=args.k),
-    f"(g) fused q/k/v, gate/up, K={args.k}": d.Decoder(fused_copy(), backend, max_len, tokens_per_call=args.k),
+    f"(d) compiled, K={k}": d.Decoder(model, backend, max_len, tokens_per_call=k),
+    f"(e) matvec loops, K={k}": d.Decoder(model, backend, max_len, tokens_per_call=k, **loops_options),
+    f"(f) int8 linears, loops, K={k}": d.Decoder(compressed("int8"), backend, max_len, k, **loops_options),
+    f"(g) int4 linears, loops, K={k}": d.Decoder(compressed("int4"), backend, max_len, k, **loops_options),
+    f"(h) fused q/k/v, gate/up, loops, K={k}": d.Decoder(fused_copy(), backend, max_len, k, **loops_options),
 }
-loops = {"(a) HF generate, default": hf, "(b) HF static cache + compiled forward": hf_static}
+loops = {  # HF's recipe: static cache, forward compiled
+    "(a) HF generate, default": hf,
+    "(b) HF static cache + compiled forward": hf_static(torch.compile(model.forward)),
+    "(b2) (b) + matvec loops": hf_static(torch.compile(model.forward, **loops_options)),
+}
 loops |= {name: (lambda dec=dec: dec.generate(ids, n, stop_ids=())) for name, dec in decoders.items()}
 
 rows, expected = {}, hf()
@@ -115,7 +124,7 @@ for name, row in rows.items():
     row |= roofline.columns(step, row["tok_s"], bandwidth)
 rows = list(rows.values())
 for row in rows:
-    row["vs_a"], row["vs_b"] = row["tok_s"] / rows[0]["tok_s"], row["tok_s"] / rows[1]["tok_s"]
+    row["vs_a"], row["vs_b"], row["vs_b2"] = (row["tok_s"] / rows[i]["tok_s"] for i in range(3))
 print(
     table(
         rows,
@@ -124,6 +133,7 @@ print(
             "tok_s",
             "vs_a",
             "vs_b",
+            "vs_b2",
             "GB_per_s",
             "pct_of_bw",
             "bytes_per_token",

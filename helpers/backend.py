@@ -225,6 +225,23 @@ class Backend:
         options.setdefault("dynamic", False)
         return torch.compile(fn, backend=_COMPILE_BACKEND[self.name], **options)
 
+    def matvec_loop_options(self) -> dict | None:
+        """``compile`` options that make a decode step's one-row matmuls loops inductor writes
+        (multiply and sum) instead of calls to the BLAS matrix-vector product: inductor's own
+        ``decompose_mm_pass``. A compressed weight is dequantized in the same kernel, into a
+        buffer of one weight that stays in the CPU's cache, not written out for MKL. CPU only (None elsewhere): the pass decomposes one-row matmuls on
+        the CPU alone, where MKL reads a decode step's short weight rows at well under half the
+        bandwidth of a plain read, and these loops at two to three times MKL's (``benchmarks/matvec.py``)."""
+        if self.name != "cpu":
+            return None
+        from torch._inductor.fx_passes import decompose_mem_bound_mm
+
+        # read once, at the pass's import: its default (2048 rows) leaves the vocabulary-wide head to MKL
+        decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = 2**31
+        # emulate_precision_casts: a dequantized weight is rounded to bf16 inside the loop, as the
+        # checkpoint's values are, not kept in float32 (measured: logits 0.36 off without it)
+        return {"options": {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "emulate_precision_casts": True}}
+
     def in_mode(self, fn: Callable, mode: str) -> Callable:
         """``fn`` made to run in ``mode``, its results computed (not merely queued) on return."""
         self._check_mode(mode)

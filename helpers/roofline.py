@@ -21,20 +21,19 @@ def _probe(name: str, device: str, megabytes: int) -> float:
     from .backend import get_backend
 
     backend = get_backend(name)
-    rows = 4096
-    weight = torch.randn(rows, megabytes * 2**20 // 4 // rows, device=backend.device)
-    x = torch.randn(weight.shape[1], 1, device=backend.device)
-    timing = time_fn(torch.mm, weight, x, sync=lambda: (backend.flush(), backend.sync()), warmup=2, repeats=7)
-    return weight.numel() * weight.element_size() / timing.median
+    data = torch.randn(megabytes * 2**20 // 4, device=backend.device)
+    timing = time_fn(torch.amax, data, sync=lambda: (backend.flush(), backend.sync()), warmup=2, repeats=7)
+    return data.numel() * data.element_size() / timing.median
 
 
 def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
-    """Bytes per second this device reads at, and where the figure comes from: a matrix-vector
-    product over a ``megabytes`` float32 matrix (it reads the matrix once, as a decode step reads
-    its weights), measured once per process; on a TPU, the published v5e figure."""
+    """Bytes per second this device reads at, and where the figure comes from: the max of
+    ``megabytes`` of float32 (it reads every byte once and does next to nothing else), measured
+    once per process; on a TPU, the published v5e figure. Not a matrix-vector product: on a CPU
+    the compiled step's own loops read faster than MKL's (``benchmarks/matvec.py``)."""
     if backend.name == "tpu":
         return V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s"
-    return _probe(backend.name, str(backend.device), megabytes), "measured here: a matrix-vector product"
+    return _probe(backend.name, str(backend.device), megabytes), "measured here: the max of a large tensor"
 
 
 def _tensors(module) -> dict[int, torch.Tensor]:
@@ -87,10 +86,12 @@ JAX_TOK_S = 135  # a pure-JAX engine on the same chip and model, bf16 QAT weight
 
 def measure_variants(backend: Backend, series, ks=(1, 2, 4, 8), max_len: int = 256) -> list[dict]:
     """Notebook 07's variants on notebook 05's model (``series``, changed in place), each
-    compiled anew and timed: K tokens per compiled call for each of ``ks``; then, at K = 1 (each
-    is beside the K = 1 row; unrolled K times, a step that dequantizes every weight compiles
-    minutes on a CPU), the linears as int8 codes, as packed int4, the main table and tied head
-    in 4-bit too, and then q/k/v and gate/up fused into one matmul each. A row each: same tokens as notebook 03, graphs compiled, seconds of the first
+    compiled anew and timed: K tokens per compiled call for each of ``ks``; on a CPU, K = 1 with
+    the one-row matmuls as loops inductor writes (``Backend.matvec_loop_options``), kept for
+    the variants after it; then, at K = 1 (each is beside a K = 1 row: unrolled K times, a step
+    that dequantizes every weight compiles for minutes on a CPU), the linears as int8 codes, as
+    packed int4, the main table and tied head in 4-bit too, and then q/k/v and gate/up fused into
+    one matmul each. A row each: same tokens as notebook 03, graphs compiled, seconds of the first
     call (its compilation), peak device memory where the backend counts it, decode tok/s
     (median of 3) and spread, weights on the device, and the roofline columns."""
     from .checkpoint import memory_report
@@ -101,11 +102,12 @@ def measure_variants(backend: Backend, series, ks=(1, 2, 4, 8), max_len: int = 2
 
     bandwidth, _ = read_bandwidth(backend)
     model, rows = series.model, []
+    loops = backend.matvec_loop_options()
 
-    def run(variant: str, k: int) -> dict:
+    def run(variant: str, k: int, options=None) -> dict:
         torch._dynamo.reset()  # count this variant's compilations only
         backend.reset_peak_memory()
-        decoder = Decoder(model, backend, max_len, tokens_per_call=k)
+        decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
         with backend.compile_counter() as count:
             first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
         timed = timed_generate(decoder, series.ids, series.new_tokens, readback_every=max(16, k))
@@ -127,14 +129,17 @@ def measure_variants(backend: Backend, series, ks=(1, 2, 4, 8), max_len: int = 2
 
     for k in ks:
         run(f"4-bit table, K={k}", k)
+    tail = "K=1" if loops is None else "K=1, matvec loops"
+    if loops is not None:
+        run(f"4-bit table, {tail}", 1, loops)
     keep_linears_compressed(model, series.checkpoint, "int8")
-    run("int8 linears, K=1", 1)
+    run(f"int8 linears, {tail}", 1, loops)
     keep_linears_compressed(model, series.checkpoint, "int4")
-    run("int4 linears, K=1", 1)
+    run(f"int4 linears, {tail}", 1, loops)
     keep_embed_in_4bit(model)
-    run("int4 linears + 4-bit head, K=1", 1)
+    run(f"int4 linears + 4-bit head, {tail}", 1, loops)
     fuse_projections(model)
-    run("int4 linears + 4-bit head + fused q/k/v, gate/up, K=1", 1)
+    run(f"int4 linears + 4-bit head + fused q/k/v, gate/up, {tail}", 1, loops)
     return rows
 
 

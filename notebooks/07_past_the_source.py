@@ -28,10 +28,11 @@
 # roofline. Google publishes 819 GB/s for a v5e chip.
 #
 # Here: the bytes one step reads at each step of the series, at E2B scale, and the ceiling
-# that follows; then three ways past the source, each measured on this machine against its
-# own read bandwidth: K decode steps per compiled call (tokens read back once per call), the
-# linears kept as int8 codes or packed int4 on the device and dequantized inside the step, the
-# main table with its tied head in 4-bit too, and q/k/v and gate/up fused into one matmul each.
+# that follows; then the ways past the source, each measured on this machine against its
+# own read bandwidth: K decode steps per compiled call (tokens read back once per call), on a
+# CPU the matmuls as loops the compiler writes, the linears kept as int8 codes or packed int4
+# on the device and dequantized inside the step, the main table with its tied head in 4-bit
+# too, and q/k/v and gate/up fused into one matmul each.
 # Every variant must give notebook 03's tokens and compile once per shape.
 
 # %% [markdown]
@@ -118,23 +119,29 @@ fig = helpers.bench.ceiling_chart(
 
 # %% [markdown]
 # ## What this device reads at
-# A matrix-vector product over a large matrix reads it once, as a decode step reads its
-# weights; its bytes over its time are this device's practical read bandwidth (on a TPU, the
-# published figure instead, labelled so).
+# The max of a large tensor reads every byte once and does next to nothing else: its bytes
+# over its time are this device's practical read bandwidth (on a TPU, the published figure
+# instead, labelled so). Not a matrix-vector product: on a CPU, MKL's reads a decode step's
+# short weight rows at well under half of this, and the loops below read faster than MKL.
 
 # %%
 bandwidth, how = helpers.roofline.read_bandwidth(backend)
 print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 
 # %% [markdown]
-# ## K tokens per compiled call, the linears kept compressed, fewer matmuls
-# The code, on screen: K decode steps unrolled into one program, the linear that stays
-# compressed on the device, and the fused linear whose one matmul serves q, k and v (or gate
+# ## K tokens per compiled call, matmuls as loops, the linears kept compressed, fewer matmuls
+# The code, on screen: K decode steps unrolled into one program; on a CPU, the compile options
+# that make each one-row matmul a multiply-and-sum loop inductor writes itself (its own
+# `decompose_mm_pass`), vectorized, with a compressed weight's dequantization inside the same
+# kernel, where MKL's matrix-vector product reads a short row at well under half the
+# bandwidth (on a TPU, XLA writes every matmul itself: there is no such switch to make); the
+# linear that stays compressed on the device; and the fused linear whose one matmul serves q, k and v (or gate
 # and up): transformers' attention calls them in turn on the same hidden states.
 
 # %%
 helpers.show(
     helpers.decode.Decoder.steps,
+    helpers.backend.Backend.matvec_loop_options,
     helpers.qlinear.QLinear.weight.fget,
     helpers.qlinear.QLinear.forward,
     helpers.fused.Fused.part,
@@ -146,9 +153,10 @@ helpers.show(
 # peak device memory where the backend counts it; decode tok/s (median of 3) beside the bytes
 # one step reads, from the tensors, GB/s and % of the read bandwidth above. The linears come
 # from the checkpoint's own packed codes and scales, never re-quantized, so they are exact;
-# the fused weights are the same rows concatenated. The compressed variants run at K = 1, each read beside the K = 1 row: unrolled K times, a
-# step that dequantizes every weight takes minutes to compile on a CPU (a TPU reader can
-# combine the best K with the best format). Timed one after another: the spread column
+# the fused weights are the same rows concatenated. On a CPU the matvec loops come in at
+# K = 1 and stay for every variant after them. The compressed variants run at K = 1, each read
+# beside a K = 1 row: unrolled K times, a step that dequantizes every weight takes minutes to
+# compile on a CPU (a TPU reader can combine the best K with the best format). Timed one after another: the spread column
 # (fastest over slowest run) says when the machine was busy.
 
 # %%
@@ -177,14 +185,18 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 
 # %% [markdown]
 # **What you should see:** the same tokens and two compilations everywhere. On a CPU, K > 1
-# saves the per-call overhead (dynamo's guards, the launch), and the compressed linears read
-# fewer bytes but dequantize every weight every step, work a CPU pays for; the tiny twin is
-# too small for the bytes to dominate. Fusing reads the same bytes in fewer, larger matmuls:
-# it saves launches and reads each input once, but whether that pays depends on the backend's
-# matmuls; read its row against the one before it, measured above in this run. On a v5e-1 (a path no machine building this course has
-# run) look for K > 1 ahead of K = 1 by the host round trips it saves, and for the int8 row:
-# int8 is the one low-precision format with a compute path on v5e, while int4 dequantized in
-# the step pays only if XLA fuses the unpack into the matmul.
+# saves the per-call overhead (dynamo's guards, the launch), and the matvec loops row is ahead
+# of the K = 1 row above it: the same bytes, read faster (`benchmarks/decode.py` measures it on
+# a model large enough for the bytes to dominate, which the tiny twin is not). The compressed
+# linears read fewer bytes, dequantized inside those same kernels, but on a CPU of a few cores
+# turning codes into floats is work the cores pay for, int4's unpack most: their % of the
+# bandwidth falls even where their tok/s rises. Fusing reads the same bytes in fewer, larger
+# matmuls: it saves launches and reads each input once, but whether that pays depends on the
+# backend's matmuls; read its row against the one before it, measured above in this run. On a
+# v5e-1 (a path no machine building this course has run) look for K > 1 ahead of K = 1 by the
+# host round trips it saves, and for the int8 row: int8 is the one low-precision format with a
+# compute path on v5e, while int4 dequantized in the step pays only if XLA fuses the unpack
+# into the matmul.
 
 # %% [markdown]
 # ## Results

@@ -61,6 +61,37 @@ def test_k_tokens_per_call_give_the_same_tokens_with_one_compilation(series):
         decoder.generate(series.ids, 128 - series.ids.shape[1])
 
 
+def test_matvec_loops_make_every_one_row_matmul_a_loop_with_the_same_tokens_and_one_compilation(series):
+    from torch._dynamo.utils import counters
+
+    backend = helpers.get_backend()
+    if backend.name != "cpu":
+        assert backend.matvec_loop_options() is None
+        pytest.skip("inductor's decompose_mm_pass decomposes one-row matmuls on the CPU only")
+    model = copy.deepcopy(series.model)
+    qlinear.keep_linears_compressed(model, series.checkpoint, "int8")  # dequantized inside the loops
+    torch._dynamo.reset()
+    before = counters["inductor"]["decompose_mm"]
+    decoder = d.Decoder(model, backend, max_len=64, **backend.matvec_loop_options())
+    # no compiled-graph cache: a cache hit skips the passes, and the count of what they did
+    with torch._inductor.config.patch(fx_graph_cache=False), backend.compile_counter() as count:
+        tokens = decoder.generate(series.ids, series.new_tokens)
+    assert tokens == series.reference and count.graphs == 2
+    # every matmul with a weight in the step (the head among them), and the prefill's head: one row kept
+    assert counters["inductor"]["decompose_mm"] - before == fused.linear_calls(model, series.ids[:, :1]) + 1
+
+
+def test_matvec_loops_round_a_dequantized_weight_to_bf16_as_eager_code_does():
+    backend = helpers.get_backend("cpu")
+    torch.manual_seed(0)
+    codes = torch.randint(-8, 8, (256, 512), dtype=torch.int8)
+    scales = torch.rand(256, 512 // 32).bfloat16()  # like the checkpoint's: codes x scales needs rounding
+    linear = qlinear.QLinear(codes, scales, torch.float32, "int8")
+    x = torch.randn(1, 1, 512)
+    compiled = backend.compile(linear, **backend.matvec_loop_options())(x)
+    torch.testing.assert_close(compiled, linear(x), rtol=1e-5, atol=1e-4)  # unrounded: ~0.3 off
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_linears_kept_compressed_are_the_checkpoints_weights_and_give_the_same_tokens(series, fmt):
     model = copy.deepcopy(series.model)

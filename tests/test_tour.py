@@ -23,7 +23,8 @@ def test_tour_runs_every_step_prints_the_table_and_writes_the_chart(tmp_path, ca
     assert all(r["tok_s_spread"] >= 1 for r in rows[4:])  # fastest / slowest timed run, flagged when large
     assert all(r["bytes_per_token"] > 0 and r["pct_of_bw"] > 0 for r in rows[4:])  # the roofline on every row
     variants = rows[8:]
-    assert len(variants) == 7 and all(r["same_tokens"] and r["compiles"] == 2 for r in variants)
+    assert len(variants) == 8 and all(r["same_tokens"] and r["compiles"] == 2 for r in variants)
+    assert sum(r["label"].endswith("matvec loops") for r in variants) == 5  # the CPU's loops, then kept
     assert {r["label"].split(",")[0] for r in variants} >= {
         "int8 linears",
         "int4 linears",
