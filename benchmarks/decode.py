@@ -1,15 +1,17 @@
 """Decode tokens/s on a CPU-sized Gemma 4 (same class, ~tens of millions of parameters, its
 weights put on a 4-bit grid as QAT leaves them), every loop side by side in one run:
 (a) HF generate as it comes, (b) HF's own recipe (static cache, forward compiled), and the
-course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per call, and
-(e) int8 and (f) int4 linears kept compressed, and (g) q/k/v and gate/up fused into one
-matmul each (notebook 07). The timed runs are interleaved
-(every loop once per round), so a busy moment of a shared machine hits them all alike.
+course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per call, (e)
+the same with its one-row matmuls as loops inductor writes (``Backend.matvec_loop_options``),
+then with those loops (f) int8 and (g) int4 linears kept compressed and (h) q/k/v and gate/up
+fused into one matmul each (notebook 07); and (b2), HF's recipe given the same loops, to show
+what they buy alone. The timed runs are interleaved (every loop once per round), so a busy
+moment of a shared machine hits them all alike.
 
     python benchmarks/decode.py [--tokens 64] [--rounds 3] [--k 4] [--profile]
 
-Prints tok/s, ratios to (a) and (b), and the roofline: bytes one step reads (from the
-tensors), GB/s, and % of this machine's read bandwidth (a read probe, same run).
+Prints tok/s, ratios to (a), (b) and (b2), and the roofline: bytes one step reads (from the
+tensors), GB/s, and % of this machine's read bandwidth (a plain read, same run).
 --profile adds where (c)'s time goes (torch.profiler, top ops).
 """
 

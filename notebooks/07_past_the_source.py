@@ -135,8 +135,9 @@ print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 # `decompose_mm_pass`), vectorized, with a compressed weight's dequantization inside the same
 # kernel, where MKL's matrix-vector product reads a short row at well under half the
 # bandwidth (on a TPU, XLA writes every matmul itself: there is no such switch to make); the
-# linear that stays compressed on the device; and the fused linear whose one matmul serves q, k and v (or gate
-# and up): transformers' attention calls them in turn on the same hidden states.
+# linear that stays compressed on the device; and the fused linear whose one matmul serves q,
+# k and v (or gate and up): transformers' attention calls them in turn on the same hidden
+# states.
 
 # %%
 helpers.show(
@@ -156,8 +157,8 @@ helpers.show(
 # the fused weights are the same rows concatenated. On a CPU the matvec loops come in at
 # K = 1 and stay for every variant after them. The compressed variants run at K = 1, each read
 # beside a K = 1 row: unrolled K times, a step that dequantizes every weight takes minutes to
-# compile on a CPU (a TPU reader can combine the best K with the best format). Timed one after another: the spread column
-# (fastest over slowest run) says when the machine was busy.
+# compile on a CPU (a TPU reader can combine the best K with the best format). Timed one
+# after another: the spread column (fastest over slowest run) says when the machine was busy.
 
 # %%
 ks = helpers.roofline.KS[backend.name == "xla"]  # each K is a compile: fewer on XLA's CPU client
