@@ -15,11 +15,12 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import warnings
 from typing import Callable
 
 import torch
 
-from . import tpu_chips
+from . import tpu_scan
 
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
@@ -53,7 +54,11 @@ def detect() -> str:
         return "tpu"
     if _xla_asked():
         return "xla"
-    chips = tpu_chips()
+    chips, not_driven = tpu_scan()
+    if not_driven and not chips:
+        warnings.warn(
+            "a TPU is here that TorchTPU cannot drive, so it is not used: " + "; ".join(not_driven), stacklevel=2
+        )
     if chips:
         raise BackendError(
             f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "

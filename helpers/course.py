@@ -33,8 +33,10 @@ def repo_url() -> str:
 
 def setup_cell() -> str:
     """The set-up cell's source. It runs before ``helpers`` exists, so it is plain Python:
-    clone the course unless ``helpers`` is importable (once: a rerun after a restart finds
-    the folder), never prompting for credentials, then install what the runtime lacks."""
+    clone the course unless the course's ``helpers`` is importable (once: a rerun after a
+    restart finds the folder), never prompting for credentials; check that the ``helpers``
+    imported is the course's (a stray ``helpers.py`` is a common name), name its folder, then
+    install what the runtime lacks."""
     repo, ref = repo_url(), REF
     return f'''{_FIRST_LINE}
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
@@ -46,7 +48,14 @@ import sys
 COURSE_REPO = os.environ.get("COURSE_REPO", "{repo}")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "{ref}")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
-if importlib.util.find_spec("helpers") is None:
+
+
+def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+
+
+spec = importlib.util.find_spec("helpers")
+if not is_course(spec and spec.submodule_search_locations and spec.submodule_search_locations[0]):
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
         fetch = subprocess.run(
             ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
@@ -61,8 +70,12 @@ if importlib.util.find_spec("helpers") is None:
             )
         print(f"fetched {{COURSE_REPO}} ({{COURSE_REF}}) into {{COURSE_DIR}}")
     sys.path.insert(0, COURSE_DIR)
+    sys.modules.pop("helpers", None)  # a stray module of that name imported earlier
 import helpers
 
+if not is_course(os.path.dirname(helpers.__file__ or "")):
+    raise SystemExit(f"`helpers` came from {{helpers.__file__}}, not the course: rename that file, then rerun.")
+print("the course:", os.path.dirname(os.path.dirname(helpers.__file__)))
 helpers.install_missing()'''
 
 

@@ -1,5 +1,6 @@
-"""Which checkpoint, and getting it: Google's gated repository through the Hugging Face Hub
-(token, licence, outages, the cache), a local folder, or the tiny offline twin."""
+"""Which checkpoint, and getting it: Google's public repository through the Hugging Face Hub
+(anonymous first, a token only where the Hub says a repository is gated; outages, the cache),
+a local folder, or the tiny offline twin."""
 
 from __future__ import annotations
 
@@ -51,25 +52,41 @@ def hf_token() -> str | None:
 _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # the chat template is chat_template.jinja
 
 
-def _hub_unreachable(repo_id: str, token: str) -> str | None:
-    """Why the Hub cannot say whether ``token`` may read ``repo_id`` (offline, a network error,
-    an outage), or None when it says yes; a clear error when it says no."""
+def _hub_access(repo_id: str) -> tuple[str | bool, str | None]:
+    """How to read ``repo_id`` from the Hub: ``(False, None)`` anonymously (the course's
+    repositories are public and ungated), ``(token, None)`` where the Hub says the repository is
+    gated and the token may read it, or ``(False, why)`` when the Hub cannot be asked (offline, a
+    network error, an outage). A clear error when the Hub says no. The token is looked up only
+    for a gated repository: in Colab that lookup may ask to share the secret."""
     from huggingface_hub import auth_check
     from huggingface_hub.errors import GatedRepoError, HTTPError, RepositoryNotFoundError
 
+    token: str | bool = False  # False: huggingface_hub sends no token, not even a stored one
     try:
-        auth_check(repo_id, token=token)
+        try:
+            auth_check(repo_id, token=False)
+            return False, None
+        except GatedRepoError:
+            token = hf_token()
+            if token is None:
+                raise CheckpointError(
+                    f"the Hub says {repo_id} is gated, so it needs a Hugging Face token with its licence accepted: "
+                    f"accept it at https://huggingface.co/{repo_id}, then run huggingface_hub.login(), set HF_TOKEN, "
+                    f"or in Colab add the secret HF_TOKEN (the key icon, notebook access on), and rerun; or continue "
+                    f"on the tiny twin with os.environ['{MODEL_VAR}'] = 'tiny'."
+                ) from None
+            auth_check(repo_id, token=token)
+            return token, None
     except GatedRepoError:
         raise CheckpointError(
-            f"the Hugging Face token has no access to {repo_id}: accept the Gemma licence at "
+            f"the Hugging Face token has no access to {repo_id}, which the Hub says is gated: accept its licence at "
             f"https://huggingface.co/{repo_id} with the token's account, then rerun; or continue on the tiny "
             f"twin with os.environ['{MODEL_VAR}'] = 'tiny'."
         ) from None
     except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo_id}: no such repository, or the token cannot see it.") from None
+        raise CheckpointError(f"{repo_id}: no such repository, or it is private to another account.") from None
     except (OSError, HTTPError) as err:  # offline mode, connection errors, 5xx answers
-        return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no answer'}"
-    return None
+        return token, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no answer'}"
 
 
 def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
@@ -83,7 +100,7 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
 
 
 def choose_checkpoint(backend: Backend) -> Checkpoint:
-    """The real checkpoint on a TPU with a token, else the tiny twin; ``$HELPERS_MODEL`` decides
+    """The real checkpoint on a TPU, else the tiny twin; ``$HELPERS_MODEL`` decides
     if set (a repo id, a local folder, or ``tiny``). When the Hub cannot be reached, the cached
     snapshot if there is one, else the twin, with the reason in the printed line."""
     asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
@@ -93,17 +110,11 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
     if backend.name != "tpu":
         return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU here (backend {backend.name})")
-    token = hf_token()
-    if token is None:
-        return Checkpoint(
-            str(build_tiny_twin()),
-            None,
-            True,
-            "no Hugging Face token: huggingface_hub.login(), HF_TOKEN, or the Colab secret HF_TOKEN",
-        )
-    unreachable = _hub_unreachable(REPO_ID, token)
+    token, unreachable = _hub_access(REPO_ID)
     if unreachable is None:
-        return Checkpoint(REPO_ID, revision, False, "TPU and a Hugging Face token")
+        return Checkpoint(
+            REPO_ID, revision, False, "a TPU, and the Hub " + ("with your token" if token else "(public)")
+        )
     cached = _cached_snapshot(REPO_ID, revision)
     if cached:
         return Checkpoint(
@@ -123,14 +134,7 @@ def local_folder(checkpoint: Checkpoint) -> pathlib.Path:
         return folder
     from huggingface_hub import snapshot_download
 
-    token = hf_token()
-    if token is None:
-        raise CheckpointError(
-            f"{checkpoint.source} is gated and no Hugging Face token was found: run "
-            "huggingface_hub.login(), set HF_TOKEN, or in Colab add the secret HF_TOKEN "
-            "(the key icon, notebook access on)."
-        )
-    unreachable = _hub_unreachable(checkpoint.source, token)
+    token, unreachable = _hub_access(checkpoint.source)
     if unreachable:
         raise CheckpointError(f"cannot reach the Hub for {checkpoint.source} ({unreachable}) and it is not cached.")
     return pathlib.Path(

@@ -1,45 +1,61 @@
-"""The notebooks' install step: a plan that leaves the runtime consistent, then pip.
+"""The notebooks' install step: a plan that leaves the runtime consistent, then pip, shown.
 
 Imports no torch: it may replace it, and a torch imported before that would be stale.
-``plan`` is a pure function of what is installed, so Colab-like runtimes are tested here.
+``plan`` is a pure function of what is installed, so Colab's published runtimes are tested here.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import importlib
 import importlib.metadata
+import os
 import pathlib
 import re
 import subprocess
 import sys
 
+from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from . import tpu_chips
 
-REQUIREMENTS = pathlib.Path(__file__).resolve().parent.parent / "requirements.txt"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+# What the notebooks import; the test tools sit in requirements.txt only, and are never installed here.
+REQUIREMENTS = ROOT / "requirements-notebooks.txt"
+# The versions CI's xla job runs beside torch 2.9.0.
+XLA_REQUIREMENTS = ROOT / "requirements-xla.txt"
 # TorchTPU 0.2.0 declares torch >=2.11.0,<=2.15.0 and libtpu >=0.0.50 with no upper bound: pin libtpu.
 TORCH_TPU = {"torch_tpu": "0.2.0", "libtpu": "0.0.52"}
 TORCH_TPU_TORCH = SpecifierSet(">=2.11.0,<=2.15.0")
-# PyPI's Linux torch is a CUDA build (~3-4 GB); a TPU needs only the CPU build.
+TORCH_TPU_PYTHON = SpecifierSet(">=3.11,<3.15")  # the wheels it has (cp311 to cp314)
+# PyPI's Linux torch is a CUDA build (~3-4 GB); a TPU needs only the CPU build, which is on
+# PyTorch's own index. That index is added, not used alone: torch's dependencies (setuptools
+# >= 77 for torch 2.13, say) come from the runtime's usual index.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # Each is built against one torch: when torch moves they would fail to load (and transformers
-# imports torchvision if present), so they are removed; the course uses neither.
-TORCH_COMPANIONS = ("torchvision", "torchaudio")
+# imports torchvision if present), so they are removed; the course uses none of them.
+TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # PyTorch/XLA registers the same TPU a second way and pins its own torch: not beside TorchTPU.
 CLASHES_WITH_TORCH_TPU = ("torch_xla",)
-# The runtime's own version will do: Colab imports these at start, so replacing them would
-# ask for a restart.
-RUNTIME_VERSION_WILL_DO = {"matplotlib": ">=3.5", "ipywidgets": ">=7.6", "tqdm": ">=4.60"}
-# Kept as the runtime has them: its own torch build, and tools only tests and CI need.
-NOT_FOR_NOTEBOOKS = {"torch", "jupytext", "nbval", "ipykernel", "pytest", "hypothesis", "ruff"}
+# The runtime's own version will do (the notebooks use long-stable parts of them; Colab imports
+# the first three at start, so replacing them would ask for a restart).
+RUNTIME_VERSION_WILL_DO = {"matplotlib": ">=3.5", "ipywidgets": ">=7.6", "tqdm": ">=4.60", "filelock": ">=3.0"}
+# compressed-tensors 0.16 and later need torch >= 2.10: beside an older torch that a runtime
+# without a TPU keeps, the version CI's xla job runs with torch 2.9.
+NEEDS_TORCH_2_10 = ("compressed-tensors",)
 _TORCH_STACK = {"torch", "torch-tpu", "libtpu", "torch-xla", *TORCH_COMPANIONS}
 
 
-class RestartNeeded(SystemExit):
-    """Raised after an install that replaced something this Python had already imported:
-    no later cell may run on the stale copy. A SystemExit, so a notebook shows one line."""
+class SetupError(RuntimeError):
+    """An install that cannot go on; the message says what pip said, or what to do."""
+
+
+class RestartNeeded(RuntimeError):
+    """Raised after an install that replaced something this Python had already imported: no
+    later cell may run on the stale copy. In a notebook it shows as its message alone."""
 
 
 @dataclasses.dataclass
@@ -89,20 +105,39 @@ def pins(path: pathlib.Path = REQUIREMENTS) -> dict[str, str]:
     return out
 
 
-def plan(installed: dict[str, str], pinned: dict[str, str], tpu: bool, colab: bool) -> Plan:
-    """What to install and remove so that the notebooks run, given ``installed`` (name: version).
+def plan(
+    installed: dict[str, str], pinned: dict[str, str], tpu: bool, colab: bool, python: tuple[int, int] | None = None
+) -> Plan:
+    """What to install and remove so that the notebooks run, given ``installed`` (name: version)
+    under Python ``python`` (this one's by default).
 
     Outside Colab only what is missing (an environment of your own keeps its versions). In
     Colab also what is at another version, except the runtime's own torch and the packages
-    whose runtime version will do. On a TPU machine, TorchTPU and a torch it supports: if torch
-    must move, its companions are removed with it; PyTorch/XLA is removed beside TorchTPU.
+    whose runtime version will do. On a TPU machine, TorchTPU and a torch it supports (the CPU
+    build): if torch must move, its companions are removed with it; PyTorch/XLA is removed
+    beside TorchTPU.
     """
+    python = python or sys.version_info[:2]
     installed = {_norm(n): v for n, v in installed.items()}
     out = Plan()
+    if tpu:
+        if not TORCH_TPU_PYTHON.contains(f"{python[0]}.{python[1]}"):
+            raise SetupError(
+                f"TorchTPU {TORCH_TPU['torch_tpu']} has wheels for Python 3.11 to 3.14; this runtime runs "
+                f"Python {python[0]}.{python[1]}. Pick another runtime version (Runtime > Change runtime type)."
+            )
+        torch = installed.get("torch")
+        if torch is None or not TORCH_TPU_TORCH.contains(_release(torch), prereleases=True):
+            out.torch = f"torch=={pinned['torch']}+cpu"
+            out.uninstall += [c for c in TORCH_COMPANIONS if _norm(c) in installed]
+        out.uninstall += [c for c in CLASHES_WITH_TORCH_TPU if _norm(c) in installed]
+    torch_after = out.torch.split("==")[1] if out.torch else installed.get("torch", pinned["torch"])
     for name, version in pinned.items():
+        if name == "torch":
+            continue  # the runtime's own build, or the one above for TorchTPU
+        if name in NEEDS_TORCH_2_10 and _release(torch_after) < Version("2.10"):
+            version = pins(XLA_REQUIREMENTS)[name]
         have = installed.get(_norm(name))
-        if name in NOT_FOR_NOTEBOOKS:
-            continue
         if have is None:
             out.install.append(f"{name}=={version}")
         elif colab and name in RUNTIME_VERSION_WILL_DO:
@@ -110,51 +145,133 @@ def plan(installed: dict[str, str], pinned: dict[str, str], tpu: bool, colab: bo
                 out.install.append(f"{name}=={version}")
         elif colab and _release(have) != _release(version):
             out.install.append(f"{name}=={version}")
-    if not tpu:
-        return out
-    torch = installed.get("torch")
-    if torch is None or not TORCH_TPU_TORCH.contains(_release(torch), prereleases=True):
-        out.torch = f"torch=={pinned['torch']}"
-        out.uninstall += [c for c in TORCH_COMPANIONS if _norm(c) in installed]
-    out.uninstall += [c for c in CLASHES_WITH_TORCH_TPU if _norm(c) in installed]
-    for name, version in TORCH_TPU.items():
-        have = installed.get(_norm(name))
-        if have is None or _release(have) != _release(version):
-            out.install.append(f"{name}=={version}")
+    if tpu:
+        for name, version in TORCH_TPU.items():
+            have = installed.get(_norm(name))
+            if have is None or _release(have) != _release(version):
+                out.install.append(f"{name}=={version}")
     return out
 
 
 def installed_versions() -> dict[str, str]:
     """Every installed distribution's version, by its normalised name."""
+    importlib.invalidate_caches()  # read anew after pip has run in this process's lifetime
     return {_norm(d.metadata["Name"]): d.version for d in importlib.metadata.distributions() if d.metadata["Name"]}
 
 
 def _pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+    """pip, its output printed line by line as it comes (a notebook shows what this Python
+    prints, not what a subprocess writes), less the "already satisfied" lines; raises with its
+    last lines when it fails."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "pip", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PIP_PROGRESS_BAR": "off", "PIP_NO_INPUT": "1"},
+    )
+    tail = collections.deque(maxlen=30)
+    for line in run.stdout:
+        tail.append(line.rstrip())
+        if not line.startswith("Requirement already satisfied"):
+            print("  " + line, end="", flush=True)
+    if run.wait():
+        raise SetupError(f"pip {' '.join(args)} failed (exit {run.returncode}); its last lines:\n" + "\n".join(tail))
 
 
-def install_missing() -> Plan:
-    """In Colab, carry out ``plan`` for this runtime; elsewhere only say what is missing.
-    Raises ``RestartNeeded`` when it replaced something already imported."""
+def moved(before: dict[str, str], after: dict[str, str], todo: Plan) -> list[str]:
+    """What pip changed beyond what ``todo`` named: ``name old -> new``, ``+name new``, ``-name``."""
+    named = set(todo.changed())
+    out = []
+    for name in sorted(before.keys() | after.keys()):
+        if name in named or before.get(name) == after.get(name):
+            continue
+        if name not in after:
+            out.append(f"-{name}")
+        elif name not in before:
+            out.append(f"+{name} {after[name]}")
+        else:
+            out.append(f"{name} {before[name]} -> {after[name]}")
+    return out
+
+
+def unmatched_extras(changed: set[str]) -> list[str]:
+    """Installed distributions whose optional extras no longer match a changed package (``pip
+    check`` skips extras: jax's ``tpu`` extra pins the libtpu its TPU support was built with)."""
+    versions, out = installed_versions(), []
+    for dist in importlib.metadata.distributions():
+        for line in dist.requires or []:
+            try:
+                req = Requirement(line)
+            except InvalidRequirement:
+                continue
+            name = _norm(req.name)
+            extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)", str(req.marker or ""))
+            if not extra or name not in changed or name not in versions:
+                continue
+            if not req.specifier.contains(_release(versions[name]), prereleases=True):
+                out.append(
+                    f"{dist.metadata['Name']} {dist.version} [{extra.group(1)}] wants {req.name}{req.specifier}, "
+                    f"now {versions[name]}"
+                )
+    return sorted(set(out))
+
+
+def pip_check(changed: set[str]) -> tuple[list[str], int]:
+    """``pip check``'s lines that name a changed package, and how many others it printed (those
+    the runtime had before)."""
+    run = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
+    lines = [line for line in run.stdout.splitlines() if line and not line.startswith("No broken requirements")]
+    ours = [line for line in lines if any(_norm(w) in changed for w in re.findall(r"[A-Za-z0-9_.\-]+", line))]
+    return ours, len(lines) - len(ours)
+
+
+def _one_line_in_ipython(error: type[BaseException]) -> None:
+    """Have IPython show ``error`` as its message alone, with no traceback (a ``SystemExit``
+    would add IPython's "To exit: use 'exit'" warning); the cell still fails, so Run all stops."""
+    try:
+        from IPython import get_ipython  # only inside IPython: a script shows the usual traceback
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        shell.set_custom_exc((error,), lambda shell, etype, value, tb, tb_offset=None: print(value, file=sys.stderr))
+
+
+def install_missing() -> None:
+    """In Colab, carry out ``plan`` for this runtime, pip's output shown, then say what else
+    moved and what no longer matches; elsewhere only say what is missing. Raises
+    ``RestartNeeded`` when it replaced something already imported."""
     colab = "google.colab" in sys.modules
     todo = plan(installed_versions(), pins(), tpu=bool(tpu_chips()), colab=colab)
     if not todo:
         print("all requirements present")
-        return todo
+        return
     if not colab:
         print("missing (install them, e.g. pip install -r requirements.txt):", todo.describe())
-        return todo
-    print("setting up:", todo.describe())
-    stale = todo.stale(sys.modules)
+        return
+    _one_line_in_ipython(RestartNeeded)
+    print("setting up:", todo.describe(), flush=True)
+    stale, before = todo.stale(sys.modules), installed_versions()
     if todo.uninstall:
-        _pip("uninstall", "-q", "-y", *todo.uninstall)
+        _pip("uninstall", "-y", *todo.uninstall)
     if todo.torch:
-        _pip("install", "-q", todo.torch, "--index-url", TORCH_CPU_INDEX)
+        _pip("install", todo.torch, "--extra-index-url", TORCH_CPU_INDEX)
     if todo.install:  # torch is already at a version TorchTPU accepts: pip keeps it
-        _pip("install", "-q", *todo.install)
+        _pip("install", *todo.install)
+    after = installed_versions()
+    also = moved(before, after, todo)
+    print("also moved (pip, for what was installed):", ", ".join(also) if also else "nothing")
+    changed = set(todo.changed()) | {n for n in before.keys() | after.keys() if before.get(n) != after.get(n)}
+    broken, older = pip_check(changed)
+    broken += unmatched_extras(changed)
+    print(
+        "no longer matches in this runtime:",
+        "; ".join(broken) if broken else "nothing",
+        f"({older} mismatch(es) the runtime had before, left as they were)" if older else "",
+    )
     if stale:
         raise RestartNeeded(
             f"installed over what this runtime had already imported ({', '.join(stale)}): "
             "restart it (Runtime > Restart session), then run all cells again; nothing is reinstalled."
         )
-    return todo

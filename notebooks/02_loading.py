@@ -26,15 +26,16 @@
 # int32, one bf16 scale per group of 32. This notebook loads its text decoder onto the
 # device with transformers + compressed-tensors and looks at what actually lands there.
 #
-# Without a TPU, or without access to the gated weights, it runs the same code on a tiny
+# Without a TPU, or without the Hub, it runs the same code on a tiny
 # offline twin: the same model class, the same file layout and tensor names, the same
 # packing, built here in a second. The first output says which one you got.
 
 # %% [markdown]
 # ## Set up
 # In Colab this fetches the course's `helpers` and installs only what is missing (TorchTPU
-# on a TPU runtime). For the real weights, add your Hugging Face token as the Colab secret
-# `HF_TOKEN` (or set the environment variable) after accepting the Gemma licence.
+# on a TPU runtime). The checkpoint is public and ungated: it downloads without a Hugging Face
+# token. A token is asked for only if the Hub says a repository is gated, and the message then
+# says how (the Colab secret `HF_TOKEN`, or `huggingface_hub.login()`).
 
 # %%
 # Set up, the same cell in every notebook (written by helpers.course): fetch the course
@@ -47,7 +48,14 @@ import sys
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
-if importlib.util.find_spec("helpers") is None:
+
+
+def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+
+
+spec = importlib.util.find_spec("helpers")
+if not is_course(spec and spec.submodule_search_locations and spec.submodule_search_locations[0]):
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
         fetch = subprocess.run(
             ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
@@ -62,8 +70,12 @@ if importlib.util.find_spec("helpers") is None:
             )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
+    sys.modules.pop("helpers", None)  # a stray module of that name imported earlier
 import helpers
 
+if not is_course(os.path.dirname(helpers.__file__ or "")):
+    raise SystemExit(f"`helpers` came from {helpers.__file__}, not the course: rename that file, then rerun.")
+print("the course:", os.path.dirname(os.path.dirname(helpers.__file__)))
 helpers.install_missing()
 
 # %%

@@ -45,7 +45,14 @@ import sys
 COURSE_REPO = os.environ.get("COURSE_REPO", "https://github.com/OWNER/gemma4-on-tpu")  # a URL or a folder
 COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these notebooks go with
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
-if importlib.util.find_spec("helpers") is None:
+
+
+def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+
+
+spec = importlib.util.find_spec("helpers")
+if not is_course(spec and spec.submodule_search_locations and spec.submodule_search_locations[0]):
     if not os.path.isdir(os.path.join(COURSE_DIR, "helpers")):
         fetch = subprocess.run(
             ["git", "clone", "-q", "--depth", "1", "--branch", COURSE_REF, COURSE_REPO, COURSE_DIR],
@@ -60,8 +67,12 @@ if importlib.util.find_spec("helpers") is None:
             )
         print(f"fetched {COURSE_REPO} ({COURSE_REF}) into {COURSE_DIR}")
     sys.path.insert(0, COURSE_DIR)
+    sys.modules.pop("helpers", None)  # a stray module of that name imported earlier
 import helpers
 
+if not is_course(os.path.dirname(helpers.__file__ or "")):
+    raise SystemExit(f"`helpers` came from {helpers.__file__}, not the course: rename that file, then rerun.")
+print("the course:", os.path.dirname(os.path.dirname(helpers.__file__)))
 helpers.install_missing()
 
 # %% [markdown]

@@ -71,31 +71,58 @@ def test_preflight_refuses_with_the_numbers_and_what_to_change():
     assert "fits" in ck.preflight(config, cpu, dequantize=True, available=16 * 2**30)
 
 
-def test_missing_token_is_one_clear_line_before_any_download(monkeypatch):
+def _gated(*args, **kwargs):
+    from huggingface_hub.errors import GatedRepoError
+
+    err = GatedRepoError.__new__(GatedRepoError)  # as the Hub raises it, without an HTTP response
+    Exception.__init__(err, "403: access to model is restricted")
+    raise err
+
+
+def test_a_public_repository_is_read_without_a_token_and_none_is_looked_up(monkeypatch, tmp_path):
+    import huggingface_hub
+
+    asked, downloads = [], []
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: pytest.fail("a token was looked up"))
+    monkeypatch.setattr(huggingface_hub, "auth_check", lambda repo, token=None: asked.append(token))
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: downloads.append(k) or str(tmp_path))
+    monkeypatch.delenv("HELPERS_MODEL", raising=False)
+    chosen = hub.choose_checkpoint(TPU)
+    assert not chosen.tiny and chosen.source == hub.REPO_ID and "(public)" in chosen.reason
+    assert hub.local_folder(chosen) == tmp_path
+    assert asked == [False, False] and downloads[0]["token"] is False  # False: not even a stored token is sent
+
+
+def test_a_gated_repository_without_a_token_is_one_clear_line_before_any_download(monkeypatch):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    monkeypatch.setattr(huggingface_hub, "auth_check", _gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(hub.CheckpointError) as err:
         ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
-    assert "HF_TOKEN" in _one_line(err)
+    assert "the Hub says google/" in _one_line(err) and "is gated" in _one_line(err) and "HF_TOKEN" in _one_line(err)
+
+
+def test_a_gated_repository_is_read_with_the_token_once_the_hub_says_so(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    monkeypatch.setattr(huggingface_hub, "auth_check", lambda repo, token=None: token or _gated())
+    monkeypatch.delenv("HELPERS_MODEL", raising=False)
+    assert hub._hub_access(hub.REPO_ID) == ("hf_test", None)
+    assert "with your token" in hub.choose_checkpoint(TPU).reason
 
 
 def test_licence_not_accepted_is_one_clear_line(monkeypatch):
     import huggingface_hub
-    from huggingface_hub.errors import GatedRepoError
-
-    def gated(*args, **kwargs):
-        err = GatedRepoError.__new__(GatedRepoError)  # as the Hub raises it, without an HTTP response
-        Exception.__init__(err, "403: access to model is restricted")
-        raise err
 
     monkeypatch.setenv("HF_TOKEN", "hf_test")
-    monkeypatch.setattr(huggingface_hub, "auth_check", gated)
+    monkeypatch.setattr(huggingface_hub, "auth_check", _gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(hub.CheckpointError) as err:
         ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
-    assert "accept the Gemma licence at https://huggingface.co/google/" in _one_line(err)
+    assert "accept its licence at https://huggingface.co/google/" in _one_line(err)
     assert "HELPERS_MODEL" in str(err.value)
 
 

@@ -1,10 +1,13 @@
-"""The install plan against Colab-like runtimes, and the notebooks' set-up cell run for real."""
+"""The install plan against Colab's published TPU runtime and older ones, pip shown, TPU
+detection as TorchTPU's wheel does it, and the notebooks' set-up cell run for real."""
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import sysconfig
+import urllib.parse
 
 import pytest
 
@@ -13,6 +16,8 @@ from helpers import course, setup
 
 PINS = setup.pins()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+TEST_ONLY = setup.pins(ROOT / "requirements.txt").keys() - PINS.keys()
+XLA_PINS = setup.pins(setup.XLA_REQUIREMENTS)
 # what a Colab runtime brings (versions of the kind it has), less what the course pins
 COLAB = {
     "matplotlib": "3.10.0",
@@ -23,10 +28,80 @@ COLAB = {
     "safetensors": "0.6.2",
     "tokenizers": "0.22.1",
 }
+# Imported by Colab's kernel before the first cell runs: replacing one asks for a restart.
+IMPORTED_AT_START = {"ipywidgets", "matplotlib", "tqdm", "ipykernel", "ipython", "pyzmq", "traitlets", "tornado"}
 
 
-def test_pins_are_read_from_requirements():
+def freeze(path: pathlib.Path) -> dict[str, str]:
+    """``pip freeze``'s lines as name: version; a ``name @ URL`` line's version is read from
+    the wheel's or the sdist's file name (Colab installs torch and its companions that way)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        if "==" in line:
+            name, version = line.split("==")
+        elif " @ " in line:
+            name, url = line.split(" @ ")
+            file = urllib.parse.unquote(url.split("#")[0].rsplit("/", 1)[1])
+            found = re.match(r"[^-]+-([^-]+?)(?:-|\.tar\.gz$|\.zip$)", file)
+            if found is None:  # a git checkout names no version
+                continue
+            version = found.group(1)
+        else:
+            continue
+        out[name.strip()] = version.strip()
+    return out
+
+
+COLAB_TPU_2026_08_19 = freeze(ROOT / "tests" / "colab_tpu_runtime" / "pip-freeze.tpu.txt")
+PY313 = (3, 13)  # os-info-tpu.txt: Python 3.13.15
+
+
+def test_pins_are_read_from_the_notebooks_requirements_and_the_test_tools_are_apart():
     assert PINS["torch"] == "2.13.0" and "transformers" in PINS and "compressed-tensors" in PINS
+    assert {"pytest", "pytest-xdist", "nbval", "jupytext", "hypothesis", "ruff"} <= TEST_ONLY
+
+
+def test_the_published_set_reads_as_colab_says():
+    have = COLAB_TPU_2026_08_19
+    assert have["torch"] == "2.9.0+cpu" and have["torch-xla"] == "2.9.0" and have["torchcodec"] == "0.8.0"
+    assert have["libtpu"] == "0.0.21.1" and have["ipywidgets"] == "7.7.1" and have["google-colab"] == "1.0.0"
+
+
+def test_on_colabs_published_tpu_runtime_the_plan_moves_only_what_it_must():
+    todo = setup.plan(COLAB_TPU_2026_08_19, PINS, tpu=True, colab=True, python=PY313)
+    assert todo.torch == f"torch=={PINS['torch']}+cpu"
+    assert setup.TORCH_TPU_TORCH.contains(PINS["torch"])  # a torch TorchTPU accepts
+    assert todo.uninstall == ["torchvision", "torchaudio", "torchcodec", "torch_xla"]  # companions, then PyTorch/XLA
+    names = {setup._norm(r.split("==")[0]) for r in todo.install}
+    assert {"torch-tpu", "libtpu"} <= names
+    assert not names & {setup._norm(n) for n in TEST_ONLY}  # nothing only tests use
+    assert not names & IMPORTED_AT_START  # nothing the runtime imported at start
+    # nothing else: the model path at the tested versions (tokenizers moves with transformers anyway)
+    assert names == {"transformers", "compressed-tensors", "accelerate", "tokenizers", "torch-tpu", "libtpu"}
+    assert "filelock" not in names  # 3.32.3 will do: only FileLock is used
+
+
+def test_without_a_tpu_colabs_runtime_keeps_its_torch_and_gets_a_compressed_tensors_for_it():
+    todo = setup.plan(COLAB_TPU_2026_08_19, PINS, tpu=False, colab=True, python=PY313)
+    assert todo.torch is None and todo.uninstall == []
+    assert f"compressed-tensors=={XLA_PINS['compressed-tensors']}" in todo.install  # 0.16+ need torch >= 2.10
+
+
+@pytest.mark.parametrize("python", [(3, 11), (3, 12)])
+@pytest.mark.parametrize("torch", ["2.6.0+cu124", "2.7.1", "2.8.0+cpu", "2.9.0"])
+def test_older_runtimes_get_a_consistent_plan(python, torch):
+    runtime = {**COLAB, "torch": torch, "torchvision": "0.2x", "torchaudio": "2.x"}
+    on_tpu = setup.plan(runtime, PINS, tpu=True, colab=True, python=python)
+    assert on_tpu.torch == f"torch=={PINS['torch']}+cpu" and on_tpu.uninstall == ["torchvision", "torchaudio"]
+    assert f"compressed-tensors=={PINS['compressed-tensors']}" in on_tpu.install  # beside the new torch
+    elsewhere = setup.plan(runtime, PINS, tpu=False, colab=True, python=python)
+    assert elsewhere.torch is None and elsewhere.uninstall == []
+    assert f"compressed-tensors=={XLA_PINS['compressed-tensors']}" in elsewhere.install
+
+
+def test_a_python_torchtpu_has_no_wheel_for_is_refused_with_the_versions():
+    with pytest.raises(setup.SetupError, match="Python 3.11 to 3.14.*Python 3.10"):
+        setup.plan(COLAB, PINS, tpu=True, colab=True, python=(3, 10))
 
 
 def test_outside_colab_only_what_is_missing_is_listed():
@@ -36,7 +111,7 @@ def test_outside_colab_only_what_is_missing_is_listed():
 
 
 def test_colab_cpu_runtime_keeps_its_torch_and_the_versions_that_will_do():
-    todo = setup.plan({**COLAB, "torch": "2.8.0+cu126", "torchvision": "0.23.0"}, PINS, tpu=False, colab=True)
+    todo = setup.plan({**COLAB, "torch": "2.10.0+cu126", "torchvision": "0.25.0"}, PINS, tpu=False, colab=True)
     assert todo.torch is None and todo.uninstall == []
     names = [r.split("==")[0] for r in todo.install]
     assert not {"matplotlib", "ipywidgets", "tqdm", "torch", "torchvision"} & set(names)
@@ -46,21 +121,9 @@ def test_colab_cpu_runtime_keeps_its_torch_and_the_versions_that_will_do():
     )
 
 
-def test_colab_tpu_with_an_older_torch_moves_torch_and_removes_its_companions():
-    todo = setup.plan(
-        {**COLAB, "torch": "2.8.0+cpu", "torchvision": "0.23.0+cpu", "torchaudio": "2.8.0+cpu"},
-        PINS,
-        tpu=True,
-        colab=True,
-    )
-    assert todo.torch == f"torch=={PINS['torch']}"
-    assert todo.uninstall == ["torchvision", "torchaudio"]
-    assert ["torch_tpu==0.2.0", "libtpu==0.0.52"] == todo.install[-2:]
-
-
 @pytest.mark.parametrize("torch", ["2.15.1", "2.16.0", "2.10.2+cpu", "2.16.0.dev20261001"])
 def test_colab_tpu_with_a_torch_torchtpu_refuses_moves_it(torch):
-    assert setup.plan({"torch": torch}, PINS, tpu=True, colab=True).torch == f"torch=={PINS['torch']}"
+    assert setup.plan({"torch": torch}, PINS, tpu=True, colab=True).torch == f"torch=={PINS['torch']}+cpu"
 
 
 @pytest.mark.parametrize("torch", ["2.11.0", "2.13.0+cpu", "2.15.0"])
@@ -77,8 +140,8 @@ def test_torch_xla_is_removed_beside_torchtpu_and_a_present_torchtpu_is_kept():
 
 
 def test_a_runtime_version_that_will_not_do_is_replaced():
-    todo = setup.plan({**COLAB, "ipywidgets": "7.5.0"}, PINS, tpu=False, colab=True)
-    assert f"ipywidgets=={PINS['ipywidgets']}" in todo.install
+    todo = setup.plan({**COLAB, "ipywidgets": "7.5.0", "filelock": "2.0.0"}, PINS, tpu=False, colab=True)
+    assert f"ipywidgets=={PINS['ipywidgets']}" in todo.install and f"filelock=={PINS['filelock']}" in todo.install
 
 
 def test_a_restart_is_asked_for_when_the_plan_changes_what_was_imported():
@@ -90,32 +153,106 @@ def test_a_restart_is_asked_for_when_the_plan_changes_what_was_imported():
     assert torch_tpu_only.stale({"torch"}) == ["torch"]  # its import hook registers at `import torch`
 
 
-def test_install_missing_runs_pip_in_that_order_and_raises_for_a_restart(monkeypatch, capsys):
+def test_install_missing_runs_pip_in_order_says_what_else_moved_and_raises_for_a_restart(monkeypatch, capsys):
     import torch  # noqa: F401  (the runtime has imported the torch the plan replaces)
 
     calls = []
+    before = {**COLAB, "torch": "2.8.0", "torchvision": "0.23.0", "pyzmq": "26.2.1"}
+    after = {**before, "torch": "2.13.0+cpu", "pyzmq": "27.1.0", "tensorboard": "2.20.0"}
+    after.pop("torchvision")
+    versions = iter([before, before, after])
     monkeypatch.setattr(setup, "_pip", lambda *args: calls.append(args))
-    monkeypatch.setattr(setup, "installed_versions", lambda: {**COLAB, "torch": "2.8.0", "torchvision": "0.23.0"})
+    monkeypatch.setattr(setup, "installed_versions", lambda: next(versions))
+    monkeypatch.setattr(setup, "pip_check", lambda changed: (["datasets 4.8.5 has requirement x"], 2))
+    monkeypatch.setattr(setup, "unmatched_extras", lambda changed: [])
     monkeypatch.setattr(setup, "tpu_chips", lambda: ["v5e"])
     monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
     with pytest.raises(setup.RestartNeeded, match="restart"):
         setup.install_missing()
     assert [c[0] for c in calls] == ["uninstall", "install", "install"]
-    assert calls[1][2:] == (f"torch=={PINS['torch']}", "--index-url", setup.TORCH_CPU_INDEX)
-    assert "setting up: remove torchvision; install torch==" in capsys.readouterr().out
+    assert calls[1][1:] == (f"torch=={PINS['torch']}+cpu", "--extra-index-url", setup.TORCH_CPU_INDEX)
+    out = capsys.readouterr().out
+    assert "setting up: remove torchvision; install torch==" in out
+    assert "also moved (pip, for what was installed): pyzmq 26.2.1 -> 27.1.0, +tensorboard 2.20.0" in out
+    assert "no longer matches in this runtime: datasets 4.8.5 has requirement x (2 mismatch(es)" in out
 
 
-def test_tpu_chips_by_device_id_not_by_vendor(tmp_path):
-    def pci(name, vendor, device):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "vendor").write_text(vendor + "\n")
-        (tmp_path / name / "device").write_text(device + "\n")
+def test_pip_is_shown_as_it_runs_and_a_failure_raises_with_its_last_lines(capsys):
+    setup._pip("--version")
+    assert re.search(r"^  pip \d", capsys.readouterr().out, re.M)
+    with pytest.raises(setup.SetupError, match=r"(?s)pip install .* failed \(exit 1\); its last lines:\n.*no-such-pkg"):
+        setup._pip("install", "--no-index", "--no-deps", "no-such-pkg-for-the-course==1.0")
 
-    pci("0000:00:04.0", "0x1ae0", "0x0042")  # Google's gVNIC network card
-    pci("0000:00:05.0", "0x1af4", "0x1041")  # virtio
-    assert helpers.tpu_chips(str(tmp_path)) == []
-    pci("0000:00:06.0", "0x1ae0", "0x0063")
-    assert helpers.tpu_chips(str(tmp_path)) == ["v5e"]
+
+def test_what_else_moved_leaves_out_what_the_plan_named():
+    todo = setup.Plan(torch="torch==2.13.0+cpu", install=["transformers==5.24.0"], uninstall=["torchvision"])
+    before = {"torch": "2.9.0", "torchvision": "0.24", "transformers": "5.15.0", "absl-py": "1.4.0", "x": "1"}
+    after = {"torch": "2.13.0", "transformers": "5.24.0", "absl-py": "2.3.1", "tensorboard": "2.20.0"}
+    assert setup.moved(before, after, todo) == ["absl-py 1.4.0 -> 2.3.1", "+tensorboard 2.20.0", "-x"]
+
+
+def test_an_extra_that_pins_a_moved_package_is_named(monkeypatch):
+    jax = type("Dist", (), {"metadata": {"Name": "jax"}, "version": "0.7.2"})()
+    jax.requires = ['libtpu==0.0.23; extra == "tpu"', "numpy>=2.0", 'pytest; extra == "ci"']
+    monkeypatch.setattr(setup.importlib.metadata, "distributions", lambda: [jax])
+    monkeypatch.setattr(setup, "installed_versions", lambda: {"libtpu": "0.0.52", "numpy": "1.0", "pytest": "1"})
+    assert setup.unmatched_extras({"libtpu", "numpy"}) == ["jax 0.7.2 [tpu] wants libtpu==0.0.23, now 0.0.52"]
+    assert setup.unmatched_extras({"numpy"}) == []  # not an extra: pip check's to report
+
+
+def test_the_restart_stop_is_one_line_in_ipython(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        setup._one_line_in_ipython(setup.RestartNeeded)
+        shell.user_ns["setup"] = setup
+        result = shell.run_cell("raise setup.RestartNeeded('restart it (Runtime > Restart session)')")
+    finally:
+        shell.set_custom_exc((), None)
+        InteractiveShell.clear_instance()
+    assert isinstance(result.error_in_exec, setup.RestartNeeded)  # the cell failed: Run all stops there
+    err = capsys.readouterr()
+    assert err.err == "restart it (Runtime > Restart session)\n" and "Traceback" not in err.out + err.err
+    assert "To exit" not in err.out + err.err
+
+
+def _sysfs(tmp_path, name, vendor, device, group=None):
+    path = tmp_path / "pci" / name
+    path.mkdir(parents=True)
+    (path / "vendor").write_text(vendor + "\n")
+    (path / "device").write_text(device + "\n")
+    if group:
+        (tmp_path / "iommu" / group).mkdir(parents=True, exist_ok=True)
+        (path / "iommu_group").symlink_to(tmp_path / "iommu" / group)
+
+
+def test_tpu_chips_as_torchtpu_finds_them_by_device_id_and_vfio(tmp_path):
+    (tmp_path / "vfio").mkdir()
+    scan = lambda: helpers.tpu_scan(str(tmp_path / "pci"), str(tmp_path / "vfio"))  # noqa: E731
+    _sysfs(tmp_path, "0000:00:04.0", "0x1ae0", "0x0042")  # Google's gVNIC network card
+    _sysfs(tmp_path, "0000:00:05.0", "0x1af4", "0x1041")  # virtio
+    assert scan() == ([], [])
+    _sysfs(tmp_path, "0000:00:06.0", "0x1ae0", "0x0063", group="12")
+    chips, not_driven = scan()
+    assert chips == [] and not_driven == ["0000:00:06.0: TPU v5e without /dev/vfio/12, which TorchTPU needs"]
+    (tmp_path / "vfio" / "12").touch()
+    assert scan() == (["v5e"], [])
+    _sysfs(tmp_path, "0000:00:07.0", "0x1ae0", "0x0027", group="13")  # not in TorchTPU 0.2.0's table
+    (tmp_path / "vfio" / "13").touch()
+    chips, not_driven = scan()
+    assert chips == ["v5e"] and "TorchTPU 0.2.0 does not drive" in not_driven[0]
+    assert set(helpers.TPU_PCI_DEVICES) == {"0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}  # the wheel's table
+
+
+def test_a_tpu_torchtpu_cannot_drive_is_named_when_the_backend_is_picked(monkeypatch):
+    from helpers import backend
+
+    monkeypatch.delenv("HELPERS_BACKEND", raising=False)
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    monkeypatch.setattr(backend, "tpu_scan", lambda: ([], ["0000:00:06.0: TPU v5e without /dev/vfio/12"]))
+    with pytest.warns(UserWarning, match="TorchTPU cannot drive.*without /dev/vfio/12"):
+        assert backend.detect() in ("cpu", "cuda")
 
 
 def test_a_tpu_machine_without_torchtpu_raises_instead_of_running_on_cpu(monkeypatch):
@@ -123,7 +260,7 @@ def test_a_tpu_machine_without_torchtpu_raises_instead_of_running_on_cpu(monkeyp
 
     monkeypatch.delenv("HELPERS_BACKEND", raising=False)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(backend, "tpu_chips", lambda: ["v5e"])
+    monkeypatch.setattr(backend, "tpu_scan", lambda: (["v5e"], []))
     with pytest.raises(backend.BackendError, match="TorchTPU did not come up.*HELPERS_BACKEND=cpu"):
         backend.get_backend()
     assert backend.get_backend("cpu").name == "cpu"
@@ -193,12 +330,16 @@ def test_the_set_up_cell_runs_twice_as_after_a_restart(tmp_path):
         ["git", "-C", str(origin), "branch", "--show-current"], capture_output=True, text=True, check=True
     ).stdout.strip()
     env = {"COURSE_REPO": str(origin), "COURSE_REF": branch, "COURSE_DIR": str(tmp_path / "course")}
+    # a reader's own helpers.py in the working folder, first on the path as /content is in Colab
+    (tmp_path / "helpers.py").write_text("raise SystemExit('the stray helpers.py was imported')\n")
     first = _run_setup_cell(env, tmp_path)
     assert first.returncode == 0, first.stderr
     assert "fetched" in first.stdout and (tmp_path / "course" / "helpers" / "__init__.py").exists()
+    assert f"the course: {tmp_path / 'course'}\n" in first.stdout
     second = _run_setup_cell(env, tmp_path)  # a new process: what a runtime restart leaves
     assert second.returncode == 0, second.stderr
     assert "fetched" not in second.stdout and "all requirements present" in second.stdout
+    assert "Plan(" not in first.stdout + second.stdout
 
 
 def test_an_unreachable_course_repository_says_how_to_set_course_repo(tmp_path):
