@@ -19,25 +19,30 @@ from .backend import Backend
 from .bench import fmt_bytes
 from .e2b import estimate_device_bytes
 from .hub import Checkpoint, CheckpointError, choose_checkpoint, local_folder
-from .packed import CHECKPOINT_PREFIX, GROUP_SIZE, KEY_MAPPING, TEXT_PREFIX, tensor_kind, text_key
+from .packed import (
+    CHECKPOINT_PREFIX,
+    GROUP_SIZE,
+    KEY_MAPPING,
+    TEXT_PREFIX,
+    CheckpointTensors,
+    tensor_kind,
+    text_key,
+)
 
 
 def name_map(checkpoint: Checkpoint) -> list[dict]:
     """How the checkpoint's tensor names land in the text model, grouped (names only, no data)."""
-    from safetensors import safe_open
-
     groups: dict[tuple[str, str], int] = {}
-    for path in sorted(local_folder(checkpoint).glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                name = text_key(key)
-                if name is None:
-                    group = (".".join(key.split(".")[:2]) + ".*", "not read (audio/vision)")
-                elif name == "lm_head.weight":
-                    group = (key, "tied to model.embed_tokens.weight: the copy is redundant")
-                else:
-                    group = (CHECKPOINT_PREFIX + "*", TEXT_PREFIX + "*")
-                groups[group] = groups.get(group, 0) + 1
+    with CheckpointTensors(local_folder(checkpoint)) as tensors:
+        for key in tensors.keys():
+            name = text_key(key)
+            if name is None:
+                group = (".".join(key.split(".")[:2]) + ".*", "not read (audio/vision)")
+            elif name == "lm_head.weight":
+                group = (key, "tied to model.embed_tokens.weight: the copy is redundant")
+            else:
+                group = (CHECKPOINT_PREFIX + "*", TEXT_PREFIX + "*")
+            groups[group] = groups.get(group, 0) + 1
     return [{"checkpoint": c, "text model": t, "tensors": n} for (c, t), n in groups.items()]
 
 
@@ -230,30 +235,25 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
     redundant lm_head copy), each packed weight is dequantized once, straight into ``dtype``;
     the process's peak host memory is printed. Its generation config (the stop ids) is the
     checkpoint's own, as ``from_pretrained`` would read it."""
-    import contextlib
     import resource
 
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors import safe_open
     from transformers import Gemma4ForCausalLM, GenerationConfig
 
     folder = local_folder(checkpoint)
     config = text_config(read_config(folder))
     config.quantization_config = None
     state = {}
-    with contextlib.ExitStack() as files:
-        handles = [files.enter_context(safe_open(path, "pt")) for path in sorted(folder.glob("*.safetensors"))]
-        where = {key: f for f in handles for key in f.keys()}  # a tensor's stem may span shards
-
-        for key, f in where.items():
+    with CheckpointTensors(folder) as tensors:
+        for key in tensors.keys():
             name = text_key(key)
             if name is None or name == "lm_head.weight" or re.search(r"\.weight_(scale|shape|zero_point)$", name):
                 continue  # towers never read; lm_head is tied to embed_tokens; quantization parameters below
-            tensor = f.get_tensor(key)
+            tensor = tensors.get(key)
             if name.endswith(".weight_packed"):
                 stem = key[: -len("packed")]
-                shape = torch.Size(where[stem + "shape"].get_tensor(stem + "shape").tolist())
-                scale = where[stem + "scale"].get_tensor(stem + "scale").float()
+                shape = torch.Size(tensors.get(stem + "shape").tolist())
+                scale = tensors.get(stem + "scale").float()
                 codes = unpack_from_int32(tensor, 4, shape).float()
                 tensor = (codes.reshape(shape[0], -1, GROUP_SIZE) * scale[..., None]).reshape(shape)
                 name = name[: -len("_packed")]

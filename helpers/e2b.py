@@ -8,7 +8,7 @@ import pathlib
 
 import torch
 
-from .packed import GROUP_SIZE, int4_bytes
+from .packed import GROUP_SIZE, TABLE_SCALE_BYTES, int4_bytes
 
 E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
 
@@ -31,18 +31,20 @@ def meta_model(config):
 
 
 def component_bytes(model) -> list[dict]:
-    """Bytes per component of a (meta) text model, in bf16 and in int4 group-32 with bf16 scales:
-    the two embedding tables, all linears of the decoder, and the lm_head copy a checkpoint may store."""
+    """Bytes per component of a (meta) text model, in bf16, in int4 group-32 with bf16 scales
+    (the checkpoint's linears; the source's arithmetic for the tables), and in int4 as stored
+    exactly (``int4_exact_bytes``: float32 steps for the tables, ``TABLE_SCALE_BYTES``): the two
+    embedding tables, all linears of the decoder, and the lm_head copy a checkpoint may store."""
     inner = model.model
     linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
-    rows = [
-        ("embed_tokens", [inner.embed_tokens.weight]),
-        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight]),
-        (f"linears ({len(linears)})", [m.weight for m in linears]),
-        ("lm_head copy", [model.lm_head.weight]),
+    rows = [  # (name, tensors, scale bytes when stored exactly)
+        ("embed_tokens", [inner.embed_tokens.weight], TABLE_SCALE_BYTES),
+        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight], TABLE_SCALE_BYTES),
+        (f"linears ({len(linears)})", [m.weight for m in linears], 2),
+        ("lm_head copy", [model.lm_head.weight], TABLE_SCALE_BYTES),
     ]
     out = []
-    for name, tensors in rows:
+    for name, tensors, scale_bytes in rows:
         numel = sum(t.numel() for t in tensors)
         out.append(
             {
@@ -50,6 +52,7 @@ def component_bytes(model) -> list[dict]:
                 "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
                 "bf16_bytes": numel * 2,
                 "int4_bytes": sum(int4_bytes(t.numel()) for t in tensors),
+                "int4_exact_bytes": sum(int4_bytes(t.numel(), scale_bytes=scale_bytes) for t in tensors),
             }
         )
     return out
@@ -106,7 +109,7 @@ def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
         },
         "05 4-bit table": {
             "embed_tokens": embed["bf16_bytes"],
-            "per-layer table": table["int4_bytes"],
+            "per-layer table": table["int4_exact_bytes"],
             "linears": linears["bf16_bytes"],
             "KV cache": kv,
         },
@@ -131,8 +134,12 @@ def step_figures(context: int = 256, ring_context: int = 131_328, bandwidth: flo
         "int8": sum(n + n // GROUP_SIZE * 2 for n in linears),
         "int4": sum(int4_bytes(n) for n in linears),
     }
-    table = {"bf16": (rows * cols * 2, cols * 2), "int4": (int4_bytes(rows * cols), int4_bytes(cols))}
-    head = {"bf16": embed * 2, "int4": int4_bytes(embed)}
+    exact = TABLE_SCALE_BYTES  # the tables' steps are finer than bf16
+    table = {
+        "bf16": (rows * cols * 2, cols * 2),
+        "int4": (int4_bytes(rows * cols, scale_bytes=exact), int4_bytes(cols, scale_bytes=exact)),
+    }
+    head = {"bf16": embed * 2, "int4": int4_bytes(embed, scale_bytes=exact)}
     steps = [  # (step, linears, per-layer table, main table and head, cache read)
         ("03 HF generate", "bf16", "bf16", "bf16", kv_cache_bytes(config, context, ring=True)),
         ("04 compiled step", "bf16", "bf16", "bf16", kv_cache_bytes(config, context)),

@@ -23,7 +23,7 @@ SOURCE_TOK_S = 5  # the source's figure, TPU v5e-1: HF generate, ~5 tok/s
 
 def stop_ids(model) -> list[int]:
     """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
-    Gemma's and the twin's: ``<eos>`` and ``<end_of_turn>``)."""
+    Gemma 4's and the twin's: ``<eos>`` and ``<turn|>``)."""
     eos = model.generation_config.eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 

@@ -12,6 +12,9 @@ from .backend import Backend
 from .twin import build_tiny_twin
 
 REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
+# The QAT training's own weights, bf16 on the 4-bit grid (the -ct export re-rounded its linears):
+# the same shapes and loader, one switch away (HELPERS_MODEL).
+QAT_REPO_ID = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
 MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, or "tiny"
 REVISION_VAR = "HELPERS_REVISION"
 

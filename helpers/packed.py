@@ -4,7 +4,12 @@ sit in Google's multimodal checkpoint against the text model's names."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
+
 import torch
+from safetensors import safe_open
 
 GROUP_SIZE = 32  # values per bf16 scale: the checkpoint's int4 groups (and the 4-bit tables')
 # The multimodal checkpoint keeps the text decoder under model.language_model.*; the text
@@ -27,8 +32,14 @@ def checkpoint_key(text_model_key: str) -> str:
     return text_model_key
 
 
+# Google's -ct export keeps its two embedding tables as bf16(level x step) with steps finer than
+# bf16 (others' published measurements: no one bf16 or fp16 scale per group gives the values
+# back), so storing them exactly in 4-bit keeps float32 steps: 4 bytes a group, not 2.
+TABLE_SCALE_BYTES = 4
+
+
 def int4_bytes(numel: int, group_size: int = GROUP_SIZE, scale_bytes: int = 2) -> int:
-    """Bytes of ``numel`` values stored packed in int4 with one bf16 scale per group."""
+    """Bytes of ``numel`` values stored packed in int4 with one scale of ``scale_bytes`` per group."""
     return numel // 2 + numel // group_size * scale_bytes
 
 
@@ -41,3 +52,36 @@ def tensor_kind(name: str, tensor: torch.Tensor) -> str:
     if name.endswith("weight_shape"):
         return "int4 shapes"
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(tensor.dtype, str(tensor.dtype))
+
+
+class CheckpointTensors:
+    """A checkpoint folder's tensors by name, read on demand, whether it holds one
+    ``model.safetensors`` (as Google's export does: 7.75 GiB, 2,504 tensors) or shards beside an
+    index, where a packed weight and its scale may sit in different files. Use it in a ``with``:
+    the files close on exit. ``keys()``, ``name in tensors``, ``tensors.get(name)``, and
+    ``file(name)``, the file a tensor is in."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self._files = contextlib.ExitStack()
+        self._where = {}
+        for path in sorted(pathlib.Path(folder).glob("*.safetensors")):
+            handle = self._files.enter_context(safe_open(path, "pt"))
+            self._where |= {key: (handle, path.name) for key in handle.keys()}
+
+    def __enter__(self) -> "CheckpointTensors":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.close()
+
+    def keys(self):
+        return self._where.keys()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._where[name][0].get_tensor(name)
+
+    def file(self, name: str) -> str:
+        return self._where[name][1]

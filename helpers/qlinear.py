@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .hub import local_folder
-from .packed import checkpoint_key
+from .packed import CheckpointTensors, checkpoint_key
 from .qtable import dequantize, unpack_rows
 
 FORMATS = ("int8", "int4")
@@ -38,14 +38,14 @@ class QLinear(torch.nn.Module):
         exactly, never re-quantized); for a model that was not loaded from a packed checkpoint."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-        from .qtable import recover_grid
+        from .qtable import exact_scales, recover_grid
 
         codes, scales, found = recover_grid(linear.weight.detach().cpu())
         if not found.all():
             raise ValueError(f"{int((~found).sum())} groups of this linear's weight are on no 4-bit grid")
         codes = pack_to_int32(codes, 4) if fmt == "int4" else codes
         device = linear.weight.device
-        return cls(codes.to(device), scales.to(device), linear.weight.dtype, fmt)
+        return cls(codes.to(device), exact_scales(scales).to(device), linear.weight.dtype, fmt)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -57,7 +57,8 @@ class QLinear(torch.nn.Module):
         return torch.nn.functional.linear(x, self.weight)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} codes, bf16 scales"
+        scales = str(self.scales.dtype).removeprefix("torch.")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} codes, {scales} scales"
 
 
 def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
@@ -65,32 +66,29 @@ def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
     from the checkpoint's own codes and scales (never re-quantized); the dense weights are
     freed. Returns the count and bytes before and after."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors import safe_open
 
     from .fused import Part
 
     if any(isinstance(m, Part) for m in model.modules()):
         raise ValueError("fused projections: keep the linears compressed first, then fuse them")
-    files = sorted(local_folder(checkpoint).glob("*.safetensors"))
-    handles = [safe_open(path, "pt") for path in files]
-    where = {key: f for f in handles for key in f.keys()}
     before = after = swapped = 0
-    for name, module in list(model.model.named_modules()):
-        stem = checkpoint_key(f"model.{name}") + "."
-        if not isinstance(module, (torch.nn.Linear, QLinear)) or stem + "weight_packed" not in where:
-            continue  # a QLinear already there is rebuilt in the format asked for
-        if getattr(module, "bias", None) is not None:
-            raise ValueError(f"{name} has a bias: QLinear keeps bias-free linears only")
-        packed = where[stem + "weight_packed"].get_tensor(stem + "weight_packed")
-        scales = where[stem + "weight_scale"].get_tensor(stem + "weight_scale").to(torch.bfloat16)
-        shape = torch.Size(where[stem + "weight_shape"].get_tensor(stem + "weight_shape").tolist())
-        codes = packed if fmt == "int4" else unpack_from_int32(packed, 4, shape).to(torch.int8)
-        held = [module.codes, module.scales] if isinstance(module, QLinear) else [module.weight]
-        device, dtype = held[0].device, module.dtype if isinstance(module, QLinear) else module.weight.dtype
-        q = QLinear(codes.to(device), scales.to(device), dtype, fmt)
-        before += sum(t.numel() * t.element_size() for t in held)
-        after += sum(t.numel() * t.element_size() for t in (q.codes, q.scales))
-        parent, _, child = name.rpartition(".")
-        setattr(model.model.get_submodule(parent) if parent else model.model, child, q)
-        swapped += 1
+    with CheckpointTensors(local_folder(checkpoint)) as tensors:
+        for name, module in list(model.model.named_modules()):
+            stem = checkpoint_key(f"model.{name}") + "."
+            if not isinstance(module, (torch.nn.Linear, QLinear)) or stem + "weight_packed" not in tensors:
+                continue  # a QLinear already there is rebuilt in the format asked for
+            if getattr(module, "bias", None) is not None:
+                raise ValueError(f"{name} has a bias: QLinear keeps bias-free linears only")
+            packed = tensors.get(stem + "weight_packed")
+            scales = tensors.get(stem + "weight_scale").to(torch.bfloat16)
+            shape = torch.Size(tensors.get(stem + "weight_shape").tolist())
+            codes = packed if fmt == "int4" else unpack_from_int32(packed, 4, shape).to(torch.int8)
+            held = [module.codes, module.scales] if isinstance(module, QLinear) else [module.weight]
+            device, dtype = held[0].device, module.dtype if isinstance(module, QLinear) else module.weight.dtype
+            q = QLinear(codes.to(device), scales.to(device), dtype, fmt)
+            before += sum(t.numel() * t.element_size() for t in held)
+            after += sum(t.numel() * t.element_size() for t in (q.codes, q.scales))
+            parent, _, child = name.rpartition(".")
+            setattr(model.model.get_submodule(parent) if parent else model.model, child, q)
+            swapped += 1
     return {"format": fmt, "linears": swapped, "bytes before": before, "bytes after": after}

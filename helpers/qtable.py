@@ -1,5 +1,6 @@
-"""The per-layer embedding table kept in 4-bit on the device: packed int4 codes, one bf16
-scale per group of 32, and only the rows of the current tokens dequantized, inside the step."""
+"""The per-layer embedding table kept in 4-bit on the device: packed int4 codes, one scale per
+group of 32 (bf16 where that is exact, else float32), and only the rows of the current tokens
+dequantized, inside the step."""
 
 from __future__ import annotations
 
@@ -9,43 +10,92 @@ from .packed import GROUP_SIZE
 
 STEP = "05 4-bit table"
 SOURCE_TOK_S = 50  # the source's figure, TPU v5e-1
-ROWS_PER_BLOCK = 8192  # E2B's table is 2.3 G values: work through it on the host in blocks
+ROWS_PER_BLOCK = 1024  # E2B's table is 2.3 G values: work through it on the host in blocks
+# The peak's level, most likely first: a QAT grid's step is set by its largest value (level 7
+# or 8); smaller ones hold for groups whose values all share a factor.
+_PEAK_LEVELS = (7, 8, 6, 5, 4, 3, 2, 1)
 
 
-def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE, search: int = 4):
-    """The 4-bit grid a QAT table lies on, group by group: int8 codes in [-8, 7] and one bf16
-    scale per group (either sign) such that bf16(codes x scale) is the table's value, bit for bit.
+def _bf16_neighbours(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reals bf16 rounds to the non-negative bf16 numbers of ``bits`` (int32): from halfway to
+    the one below to halfway to the one above, in float64 (exact there)."""
 
-    Returns (codes [rows, cols], scales [rows, groups], found [rows, groups]); a group on no
-    such grid is not found (codes 0, scale 1). A group's largest magnitude is bf16(k x scale)
-    for a code k in 1..8; as that product was rounded, the scale is one of the bf16 numbers
-    next to bf16(peak / k): each is tried, ``search`` steps either side, on the groups still
-    unmatched. Codes -7..8 (the grid centred the other way) are the same grid with the scale's
-    sign flipped, and are stored so."""
+    def value(b):
+        return b.to(torch.int16).view(torch.bfloat16).double()
+
+    here = value(bits)
+    return (value((bits - 1).clamp_min(0)) + here) / 2, (here + value(bits + 1)) / 2
+
+
+def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 number >= ``x`` (float64, positive), as float32."""
+    down = x.to(torch.bfloat16)
+    bits = down.view(torch.int16).int() + (down.double() < x).int()
+    return bits.to(torch.int16).view(torch.bfloat16).float()
+
+
+def _bf16_at_most(x: torch.Tensor) -> torch.Tensor:
+    """The largest bf16 number <= ``x`` (float64, positive), as float32."""
+    up = x.to(torch.bfloat16)
+    bits = up.view(torch.int16).int() - (up.double() > x).int()
+    return bits.to(torch.int16).view(torch.bfloat16).float()
+
+
+def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
+    """The 4-bit grid a QAT table lies on, group by group: int8 codes in [-8, 7] and one step
+    per group (either sign) such that bf16(codes x step), the product taken in float32 as
+    ``dequantize`` takes it, is the table's value bit for bit.
+
+    The step may be finer than bf16, as in Google's ``-ct`` export (its tables are bf16(level x
+    step) with a step wider than bf16 or fp16). For each group the steps that reproduce every
+    value form an interval: bf16 rounds each |value| from halfway to its lower neighbour to
+    halfway to its upper one, so |level| x step must lie there, and the step in that range divided
+    by |level|. The levels follow from the peak's (tried as ``_PEAK_LEVELS``); the intervals are
+    intersected, and a step inside is kept: a bf16 one if there is one, else float32, checked.
+
+    Returns (codes [rows, cols] int8, steps [rows, groups] float32, found [rows, groups]); a
+    group on no such grid is not found (codes 0, step 1). Codes -7..8 (the grid centred the
+    other way) are the same grid with the step's sign flipped, and are stored so."""
     rows = table.shape[0]
     flat = table.float().reshape(-1, group_size)
-    peak = flat.abs().amax(-1)
+    value = flat.to(torch.bfloat16)
     codes = torch.zeros(flat.shape, dtype=torch.int8)
-    scales = torch.ones(flat.shape[0], dtype=torch.bfloat16)
-    found = peak == 0  # an all-zero group is exact with any scale
-    bf16_values = (flat.to(torch.bfloat16).float() == flat).all(-1)  # else on no bf16 grid at all
-    todo = (~found & bf16_values).nonzero().squeeze(1)
-    for offset in sorted(range(-search, search + 1), key=abs):
-        for k in range(1, 9):
-            if todo.numel() == 0:
-                break
-            groups = flat[todo]
-            scale = ((peak[todo] / k).to(torch.bfloat16).view(torch.int16) + offset).view(torch.bfloat16)
-            s = scale.float()[:, None]
-            q = torch.round(groups / s).clamp(-8, 8)
-            ok = (s[:, 0] > 0) & torch.isfinite(s[:, 0]) & ~((q.amin(-1) < -7) & (q.amax(-1) > 7))
-            ok &= ((q * s).to(torch.bfloat16) == groups.to(torch.bfloat16)).all(-1)
-            flip = q.amax(-1) > 7  # codes -7..8: negate codes and scale, the values stay
-            codes[todo[ok]] = torch.where(flip[:, None], -q, q)[ok].to(torch.int8)
-            scales[todo[ok]] = torch.where(flip, -scale, scale)[ok]
-            found[todo[ok]] = True
-            todo = todo[~ok]
-    return codes.reshape(table.shape), scales.reshape(rows, -1), found.reshape(rows, -1)
+    steps = torch.ones(flat.shape[0], dtype=torch.float32)
+    found = (flat == 0).all(-1)  # an all-zero group is exact with any step
+    on_bf16 = (value.float() == flat).all(-1)  # else on no bf16 grid at all
+    todo = (~found & on_bf16 & torch.isfinite(flat).all(-1)).nonzero().squeeze(1)
+    for k in _PEAK_LEVELS:
+        if todo.numel() == 0:
+            break
+        v = flat[todo].double()
+        low, high = _bf16_neighbours(value[todo].abs().view(torch.int16).int())
+        levels = torch.round(v / (v.abs().amax(-1, keepdim=True) / k))
+        nonzero = levels != 0
+        ok = (levels.abs() <= 8).all(-1) & ~((levels.amin(-1) < -7) & (levels.amax(-1) > 7))
+        ok &= (nonzero | (v == 0)).all(-1)  # a level 0 only for a zero
+        size = levels.abs().clamp_min(1)
+        lo = torch.where(nonzero, low / size, 0.0).amax(-1)
+        hi = torch.where(nonzero, high / size, torch.inf).amin(-1)
+        ok &= lo <= hi
+        step = torch.zeros(todo.numel(), dtype=torch.float32)
+        exact = torch.zeros(todo.numel(), dtype=torch.bool)
+        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), ((lo + hi) / 2).float()):
+            fits = ok & ~exact & (candidate > 0) & torch.isfinite(candidate)
+            fits &= ((levels.float() * candidate[:, None]).to(torch.bfloat16) == value[todo]).all(-1)
+            step = torch.where(fits, candidate, step)
+            exact |= fits
+        flip = levels.amax(-1) > 7  # codes -7..8: negate codes and step, the values stay
+        codes[todo[exact]] = torch.where(flip[:, None], -levels, levels)[exact].to(torch.int8)
+        steps[todo[exact]] = torch.where(flip, -step, step)[exact]
+        found[todo[exact]] = True
+        todo = todo[~exact]
+    return codes.reshape(table.shape), steps.reshape(rows, -1), found.reshape(rows, -1)
+
+
+def exact_scales(steps: torch.Tensor) -> torch.Tensor:
+    """``steps`` in bf16 where every one is a bf16 number (half the bytes), else in float32."""
+    narrow = steps.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.float(), steps.float()) else steps.float()
 
 
 def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +132,12 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
 
 class QTable(torch.nn.Module):
     """A drop-in for Gemma 4's scaled word embedding (same call, same embed scale), holding
-    the table as packed int4 with bf16 group scales; a lookup gathers the token's packed row
+    the table as packed int4 with one scale per group; a lookup gathers the token's packed row
     and its scales, then dequantizes only that row.
 
     Args: ``packed`` [rows, cols / 8] int32 (compressed-tensors' ``pack-quantized`` words, eight
-    codes -8..7 each, low nibble first); ``scales`` [rows, cols / 32] bf16 (either sign);
+    codes -8..7 each, low nibble first); ``scales`` [rows, cols / 32] (either sign), bf16 or
+    float32, whichever reproduces the table exactly;
     ``embed_scale``, the embedding's scalar factor; ``dtype``, that of the rows it returns.
     ``forward(input_ids)``: int64 ids of any shape [...]; returns [..., cols] in ``dtype``, the
     rows times the embed scale, as ``Gemma4TextScaledWordEmbedding`` does."""
@@ -103,9 +154,10 @@ class QTable(torch.nn.Module):
 
     @classmethod
     def from_embedding(cls, embedding, exact_only: bool = False) -> tuple["QTable", dict]:
-        """Built from a model's embedding: its exact 4-bit grid, group by group; a group on no
-        grid is quantized by compressed-tensors, and the report says how many and the largest
-        error that introduced (``exact_only``: raise instead)."""
+        """Built from a model's embedding: its exact 4-bit grid, group by group, its scales in
+        bf16 if every step is a bf16 number, else float32 (the report's "scale dtype"); a group
+        on no grid is quantized by compressed-tensors, and the report says how many and the
+        largest error that introduced (``exact_only``: raise instead)."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
         from tqdm.auto import tqdm
 
@@ -127,7 +179,7 @@ class QTable(torch.nn.Module):
             scales.append(sc)
         module = cls(
             torch.cat(codes).to(table.device),
-            torch.cat(scales).to(table.device),
+            exact_scales(torch.cat(scales)).to(table.device),
             embedding.scalar_embed_scale,
             table.dtype,
         )
@@ -138,6 +190,7 @@ class QTable(torch.nn.Module):
             "groups": groups,
             "groups off the grid": missed,
             "max abs error": error,
+            "scale dtype": str(module.scales.dtype).removeprefix("torch."),
             "bytes before": table.numel() * table.element_size(),
             "bytes after": module.nbytes(),
         }
@@ -148,37 +201,29 @@ class QTable(torch.nn.Module):
         """Built from the checkpoint's own packed data, if it saved table ``name`` packed
         (``weight_packed``, ``weight_scale``, ``weight_shape``); else None. Read from the
         safetensors files directly: transformers' default path drops such an embedding's weight."""
-        from safetensors import safe_open
-
         from .hub import local_folder
-        from .packed import checkpoint_key
+        from .packed import CheckpointTensors, checkpoint_key
 
         key = checkpoint_key(f"model.{name}")
-        for path in sorted(local_folder(checkpoint).glob("*.safetensors")):
-            with safe_open(path, "pt") as f:
-                if f"{key}.weight_packed" not in f.keys():
-                    continue
-                packed, scales = f.get_tensor(f"{key}.weight_packed"), f.get_tensor(f"{key}.weight_scale")
-                shape = tuple(f.get_tensor(f"{key}.weight_shape").tolist())
-            if shape != (embedding.num_embeddings, embedding.embedding_dim):
-                raise ValueError(
-                    f"{key} is saved packed as {shape}, the model expects "
-                    f"{(embedding.num_embeddings, embedding.embedding_dim)}"
-                )
-            device = embedding.weight.device
-            module = cls(
-                packed.to(device),
-                scales.to(torch.bfloat16).to(device),
-                embedding.scalar_embed_scale,
-                embedding.weight.dtype,
+        with CheckpointTensors(local_folder(checkpoint)) as tensors:
+            if f"{key}.weight_packed" not in tensors:
+                return None
+            packed, scales = tensors.get(f"{key}.weight_packed"), tensors.get(f"{key}.weight_scale")
+            shape, where = tuple(tensors.get(f"{key}.weight_shape").tolist()), tensors.file(f"{key}.weight_packed")
+        if shape != (embedding.num_embeddings, embedding.embedding_dim):
+            raise ValueError(
+                f"{key} is saved packed as {shape}, the model expects "
+                f"{(embedding.num_embeddings, embedding.embedding_dim)}"
             )
-            return module, {
-                "from": f"packed in {path.name}",
-                "exact grid": True,  # the checkpoint's own codes
-                "bytes before": shape[0] * shape[1] * embedding.weight.element_size(),
-                "bytes after": module.nbytes(),
-            }
-        return None
+        device = embedding.weight.device
+        module = cls(packed.to(device), scales.to(device), embedding.scalar_embed_scale, embedding.weight.dtype)
+        return module, {
+            "from": f"packed in {where}",
+            "exact grid": True,  # the checkpoint's own codes and scales, in the dtype it saved
+            "scale dtype": str(scales.dtype).removeprefix("torch."),
+            "bytes before": shape[0] * shape[1] * embedding.weight.element_size(),
+            "bytes after": module.nbytes(),
+        }
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in (self.packed, self.scales))

@@ -6,11 +6,15 @@ Same model class (`Gemma4ForConditionalGeneration`, text decoder under
 compressed-tensors' own compressor), same file set (`generation_config.json` with its list
 of stop ids, `chat_template.jinja`, a processor config) and the same quirks: a separate
 `lm_head` copy although the embeddings are tied; a tokenizer that does not add BOS by itself;
-embedding tables kept in bf16 on a 4-bit grid whose products bf16 has rounded.
+embedding tables kept in bf16 on a 4-bit grid, each value bf16(level x step) with a float32
+step finer than bf16, as in Google's export (published measurements: no one bf16 or fp16 scale
+per group reproduces its values); Gemma 4's turn format (`<|turn>`, `<turn|>`, a system turn
+with `<|think|>` that lets the model open a thinking channel, `<|channel>thought ... <channel|>`).
 
 It is trained for seconds on a small chat corpus (seeded, then cached), so that its greedy
-answer to the series' prompt is readable and ends its turn (`<end_of_turn>`, a stop id) within
-the series' generation length, as the instruction-tuned model does. Training sees its weights
+answer to the series' prompt is readable and ends its turn (`<turn|>`, a stop id) within
+the series' generation length, as the instruction-tuned model does; asked with thinking on, it
+opens a thinking channel first. Training sees its weights
 on the 4-bit grid (straight-through), as QAT does, so they stay there and 4-bit storage of them
 is exact: every later step can prove identical tokens.
 """
@@ -26,7 +30,7 @@ import torch
 
 from .packed import GROUP_SIZE
 
-TWIN_VERSION = 3  # bump when the twin changes, so cached copies are rebuilt
+TWIN_VERSION = 4  # bump when the twin changes, so cached copies are rebuilt
 CACHE_VAR = "HELPERS_CACHE"
 
 TEXT_CONFIG = dict(
@@ -64,11 +68,16 @@ AUDIO_CONFIG = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, 
 # Google's checkpoint packs the text decoder's linears only; the towers and lm_head stay bf16.
 IGNORE = ["lm_head", "re:.*vision_tower.*", "re:.*audio_tower.*", "re:.*embed_vision.*", "re:.*embed_audio.*"]
 
-SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-STOP_TOKENS = ["<eos>", "<end_of_turn>"]  # generation_config.json's eos_token_id list, as Gemma's
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"]
+STOP_TOKENS = ["<eos>", "<turn|>"]  # generation_config.json's eos_token_id list, as Gemma 4's (ids 1 and 106 there)
+# Gemma 4's chat_template.jinja, its text part: a turn opens with <|turn> and the role, closes with
+# <turn|>; thinking on puts <|think|> in a system turn; the generation prompt is <|turn>model.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+    "{{ bos_token }}{% set thinking = enable_thinking is defined and enable_thinking %}"
+    "{% if thinking or messages[0]['role'] == 'system' %}<|turn>system\n{% if thinking %}<|think|>{% endif %}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% endif %}<turn|>\n{% endif %}"
+    "{% for m in messages if m['role'] != 'system' %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
+    "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
 # What the twin learns to answer: short turns about the course. The series' prompt is the first.
 CHATS = [
@@ -86,7 +95,11 @@ CHATS = [
     ("Why do shapes matter?", "A new shape is a new program, so it compiles again."),
     ("Hello!", "Hello! Ask me about running Gemma on a TPU."),
 ]
-CORPUS = "\n".join(text for chat in CHATS for text in chat)
+# Asked with thinking on (enable_thinking=True), the answer opens Gemma 4's thinking channel.
+THINKING_CHATS = [
+    ("What is two plus two?", "<|channel>thought\nTwo and two make four.<channel|>Two plus two is four."),
+]
+CORPUS = "\n".join(text for chat in CHATS + THINKING_CHATS for text in chat)
 TRAIN_STEPS = 300
 
 
@@ -109,28 +122,32 @@ def on_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.T
 
 
 def on_bf16_grid(weight: torch.Tensor, other_way: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """``weight`` on a 4-bit grid as a bf16 QAT table holds it: per group, codes -8..7 times a
-    bf16 scale (the smallest that reaches both ends, no power of two), the product rounded once
-    to bf16, so the peak itself is rounded. Groups where ``other_way`` [rows, groups] is set use
-    codes -7..8, the grid centred the other way."""
+    """``weight`` on a 4-bit grid as Google's bf16 QAT tables hold it: per group, codes -8..7
+    times a float32 step (the smallest that reaches both ends: finer than bf16, no power of
+    two), the product rounded once to bf16, so no bf16 scale gives the values back. Groups where
+    ``other_way`` [rows, groups] is set use codes -7..8, the grid centred the other way."""
     groups = weight.float().reshape(*weight.shape[:-1], -1, group_size)
     top, bottom = groups.amax(-1, keepdim=True).clamp_min(0), (-groups.amin(-1, keepdim=True)).clamp_min(0)
     other_way = other_way[..., None]
     high, low = torch.where(other_way, 8.0, 7.0), torch.where(other_way, -7.0, -8.0)
-    scale = torch.maximum(top / high, bottom / -low).to(torch.bfloat16).float().clamp_min(2**-60)
+    scale = torch.maximum(top / high, bottom / -low).clamp_min(2**-60)
     codes = torch.maximum(torch.minimum(torch.round(groups / scale), high), low)
     return (codes * scale).to(torch.bfloat16).reshape(weight.shape).to(weight.dtype)
 
 
 def _train(model, tokenizer, steps: int = TRAIN_STEPS) -> list[float]:
-    """A few hundred AdamW steps on ``CHATS`` in chat format, each turn ending in <end_of_turn>,
+    """A few hundred AdamW steps on ``CHATS`` (and ``THINKING_CHATS`` with thinking on) in chat
+    format, each turn ending in <turn|>,
     with the text decoder's weights snapped onto their 4-bit grids in every forward and the
     gradient passed straight through to the unsnapped copy (QAT's trick). Returns the losses."""
     texts = [
         tokenizer.apply_chat_template(
-            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+            tokenize=False,
+            enable_thinking=chats is THINKING_CHATS,
         )
-        for q, a in CHATS
+        for chats in (CHATS, THINKING_CHATS)
+        for q, a in chats
     ]
     encoded = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     width = max(map(len, encoded))
@@ -213,7 +230,7 @@ def _pack_table(source: pathlib.Path, folder: pathlib.Path) -> None:
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
     from safetensors.torch import load_file, save_file
 
-    from .qtable import recover_grid
+    from .qtable import exact_scales, recover_grid
 
     shutil.copytree(source, folder, dirs_exist_ok=True)
     (folder / "twin.json").unlink()
@@ -223,7 +240,7 @@ def _pack_table(source: pathlib.Path, folder: pathlib.Path) -> None:
     assert found.all(), "the twin's table is on its grid"
     tensors |= {
         f"{key}.weight_packed": pack_to_int32(codes, 4),
-        f"{key}.weight_scale": scales,
+        f"{key}.weight_scale": exact_scales(scales),
         f"{key}.weight_shape": torch.tensor(codes.shape),
     }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
@@ -275,7 +292,7 @@ def _build_twin(folder: pathlib.Path, seed: int) -> None:
         if isinstance(module, torch.nn.Linear)
     }
     answer = _greedy_answer(model, tokenizer)
-    if not answer.endswith("<end_of_turn>"):
+    if not answer.endswith("<turn|>"):
         raise RuntimeError(f"the twin did not learn to end its turn within {ANSWER_TOKENS} tokens: {answer!r}")
 
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP_SIZE)

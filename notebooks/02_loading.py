@@ -78,6 +78,28 @@ if not is_course(os.path.dirname(helpers.__file__ or "")):
 print("the course:", os.path.dirname(os.path.dirname(helpers.__file__)))
 helpers.install_missing()
 
+# %% [markdown]
+# ## Which checkpoint, and what its export re-rounded
+# The series loads `google/gemma-4-E2B-it-qat-w4a16-ct`: the 4-bit format the course is about,
+# one `model.safetensors` of 7.75 GiB (2,504 tensors: 276 linears packed as `weight_packed`,
+# `weight_scale`, `weight_shape`, no zero point, and an `lm_head` copy; as others published it).
+# Every later notebook keeps exactly what this file holds.
+#
+# That file is not exactly the QAT training's result. Google's export re-rounded every linear
+# group with step = max / 7.5; the trained weights are in
+# `google/gemma-4-E2B-it-qat-q4_0-unquantized` (bf16 values on the QAT grid, same shapes). Others
+# have measured the difference (the JAX sibling course, xbill9/colab-jax, article
+# `02-e2b-repack-vs-stock`; their figures, not measured here): 12% of the linears' values
+# identical to the trained ones, a mean KL of 0.071 against the QAT model, and greedy text that
+# parts from it after 5 of 128 tokens. The two embedding tables were not re-rounded: they stay
+# bf16 on the QAT grid, each value bf16(level x step) with a step finer than bf16 (notebook 05
+# recovers it exactly).
+#
+# To run the series on the QAT weights instead, one switch before this cell:
+# `os.environ["HELPERS_MODEL"] = helpers.hub.QAT_REPO_ID`. They load through the same code (no
+# quantization config, so nothing to decompress), dense bf16 from the start: what the path below
+# reaches anyway after its first forward.
+
 # %%
 backend = helpers.get_backend()
 checkpoint = helpers.choose_checkpoint(backend)  # override: HELPERS_MODEL=<repo id | folder | tiny>

@@ -25,8 +25,8 @@
 # comes, time the prefill (prompt in, first token out) apart from the decode steps, and look
 # at each step to see why this is slow on a TPU. The tokens it generates are saved as the
 # reference that notebooks 04-06 must reproduce exactly, up to and including the token that
-# ends the turn: `generate` stops at the generation config's stop ids (`<eos>` and
-# `<end_of_turn>` for the instruction-tuned model), and so does every later decoder.
+# ends the turn: `generate` stops at the generation config's stop ids (`<eos>` and Gemma 4's
+# end of turn `<turn|>`, ids 1 and 106 in the real vocabulary), and so does every later decoder.
 #
 # **What the source measured:** about 5 tokens/s on a TPU v5e-1, where a JAX engine runs
 # the same model at 130+ tokens/s.
@@ -93,6 +93,24 @@ print(backend.describe())
 new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla
 print(f"prompt: {ids.shape[1]} tokens, BOS first: {bool(ids[0, 0] == tokenizer.bos_token_id)}")
 print(tokenizer.decode(ids[0]))
+
+# %% [markdown]
+# The prompt is one user turn in Gemma 4's format, as its `chat_template.jinja` writes it: a turn
+# opens with `<|turn>` and the role and closes with `<turn|>`; the generation prompt is
+# `<|turn>model`. (Gemma 3's `<start_of_turn>` and `<end_of_turn>` are gone.) With
+# `enable_thinking=True` the template adds a system turn holding `<|think|>`, and the reply then
+# opens a thinking channel, `<|channel>thought ... <channel|>`, before its answer. The series runs
+# with thinking off; the twin learned one thinking turn so the format is exercised (its tests).
+
+# %%
+thinking = tokenizer.apply_chat_template(
+    [{"role": "user", "content": "What is two plus two?"}],
+    add_generation_prompt=True,
+    tokenize=False,
+    enable_thinking=True,
+)
+print(thinking)
+assert "<|turn>user\n" in tokenizer.decode(ids[0]) and "<|think|>" in thinking
 
 # %% [markdown]
 # ## First call, second call, per step

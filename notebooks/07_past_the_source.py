@@ -91,8 +91,10 @@ series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripp
 # **What we test:** the bytes one decode step reads at each step and variant (every weight
 # as stored, the main table whole since the tied head multiplies by it, one row of the
 # per-layer table, the KV cache the attention reads), the weights on the device, and the
-# ceiling tok/s at 819 GB/s. Targets: the weights under 2.7 GB (5.9 GB at step 05), under 1.4 GB
-# read per token (4.6 GB at step 05).
+# ceiling tok/s at 819 GB/s. Targets: the weights under 2.8 GB (6.0 GB at step 05), under 1.4 GB
+# read per token (4.6 GB at step 05). The two tables count a float32 step per group of 32: what
+# storing Google's tables exactly takes (notebook 05); with bf16 steps the best variant would hold
+# 2.7 GB.
 
 # %%
 figures = helpers.e2b.step_figures()
@@ -110,7 +112,7 @@ print(
     )
 )
 best = figures[-1]
-assert best["weights_on_device"] < 2.7e9 and best["bytes_per_token"] < 1.4e9
+assert best["weights_on_device"] < 2.8e9 and best["bytes_per_token"] < 1.4e9
 fig = helpers.bench.ceiling_chart(
     figures,
     measured={  # the source's figures, each from its step's module
@@ -124,7 +126,7 @@ fig = helpers.bench.ceiling_chart(
 # %% [markdown]
 # **What you should see:** all-bf16 linears cap E2B near 180 tok/s on a v5e, whatever the
 # code; the JAX engine's 135 sits at 75% of that. Past it only fewer bytes go: int4 linears
-# read packed lift the ceiling to ~440, and a 4-bit head to ~640. On a v5e, 4-bit pays only if
+# read packed lift the ceiling to ~440, and a 4-bit head to ~620. On a v5e, 4-bit pays only if
 # the matmul reads the packed weights: dequantizing a whole bf16 weight in the step writes and
 # reads it again (the grey bars are the source's measured figures; the ceilings are computed).
 

@@ -138,7 +138,7 @@ assert counts[probs == 0].sum() == 0  # what top-k and top-p remove is never dra
 # %% [markdown]
 # ## Stopping at the end of a turn, streamed
 # **What we test:** `generate`'s stop ids (the generation config's EOS list: `<eos>`,
-# `<end_of_turn>`) and stop strings (transformers' `StopStringCriteria`), checked once per
+# `<turn|>`) and stop strings (transformers' `StopStringCriteria`), checked once per
 # readback of 4 tokens, so without a host round trip per token; the text streams into the
 # same widget as notebook 03, with live tok/s.
 
@@ -154,7 +154,7 @@ print(f"{len(tokens)} tokens, {streamer.tok_s or 0:.1f} tok/s after the first: {
 assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tokens) == series.new_tokens
 
 # %% [markdown]
-# **What you should see:** the text ends at the first full stop (or at `<end_of_turn>`, or at
+# **What you should see:** the text ends at the first full stop (or at `<turn|>`, or at
 # the length, if it comes first). Tokens made after the stop within the same readback are
 # dropped: that is the price of not reading each token back.
 #

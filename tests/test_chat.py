@@ -62,7 +62,7 @@ def test_turn_two_equals_the_whole_conversation_as_one_prompt_with_no_cache(conv
     assert chat.replies[1] == out.sequences[0, len(history) :].tolist()
     assert answers[1] == series.tokenizer.decode(chat.replies[1], skip_special_tokens=True)
     text = series.tokenizer.decode(history)
-    assert text.count("<start_of_turn>user") == 2 and TURNS[1] in text
+    assert text.count("<|turn>user") == 2 and TURNS[1] in text
 
 
 def test_each_turn_goes_in_after_the_cache_and_a_too_long_one_is_refused(conversation):

@@ -1,6 +1,7 @@
 """Loading the checkpoint: names, E2B figures, preflight, errors, both load paths, tokens."""
 
 import json
+import pathlib
 
 import pytest
 import torch
@@ -262,3 +263,64 @@ def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact
     del dense
     default, _ = ck.load(tiny, backend)
     assert (ck.greedy_tokens(default, ids, n) == expected) == ck.unpack_is_exact(backend.device)
+
+
+def _shard(source, folder):
+    """``source`` as a sharded set with an index, as larger repositories ship: every packed weight
+    in one file, its scale and shape in the other, so each stem spans two files."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    names = {1: "model-00001-of-00002.safetensors", 2: "model-00002-of-00002.safetensors"}
+    shard = {k: 1 if k.endswith("weight_packed") else 2 for k in tensors}
+    for i, name in names.items():
+        save_file({k: t for k, t in tensors.items() if shard[k] == i}, folder / name, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: names[i] for k, i in shard.items()}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return hub.Checkpoint(str(folder), None, True, "sharded")
+
+
+def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path):
+    from helpers import qlinear, qtable
+
+    single = hub.Checkpoint(str(twin.build_packed_table_twin()), None, True, "one file")
+    sharded = _shard(pathlib.Path(single.source), tmp_path / "sharded")
+    assert [p.name for p in pathlib.Path(single.source).glob("*.safetensors")] == ["model.safetensors"]
+    cpu = helpers.get_backend("cpu")
+    models = [ck.load(c, cpu, dtype=torch.float32, dequantize=True)[0] for c in (single, sharded)]
+    one, two = (dict(m.state_dict()) for m in models)
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    references = [ck.reference_model(c, torch.float32).state_dict() for c in (single, sharded)]
+    assert all(torch.equal(references[0][k], references[1][k]) for k in references[0])
+    tables = [
+        qtable.QTable.from_checkpoint(c, "embed_tokens_per_layer", m.model.embed_tokens_per_layer)
+        for c, m in zip((single, sharded), models)
+    ]
+    assert tables[1][1]["from"] == "packed in model-00001-of-00002.safetensors"
+    assert torch.equal(tables[0][0].packed, tables[1][0].packed) and torch.equal(
+        tables[0][0].scales, tables[1][0].scales
+    )
+    counts = [qlinear.keep_linears_compressed(m, c, "int4")["linears"] for c, m in zip((single, sharded), models)]
+    assert counts[0] == counts[1] > 0
+
+
+def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_switch(tiny, tmp_path):
+    # what google/gemma-4-E2B-it-qat-q4_0-unquantized is: the same shapes, dense bf16, no quantization config
+    import shutil
+
+    dense = tmp_path / "dense"
+    ck.reference_model(tiny, torch.bfloat16).save_pretrained(dense)
+    for path in pathlib.Path(tiny.source).iterdir():
+        if path.name.startswith(("tokenizer", "chat_template", "generation_config")):
+            shutil.copy(path, dense / path.name)
+    assert json.loads((dense / "config.json").read_text()).get("quantization_config") is None
+    cpu = helpers.get_backend("cpu")
+    model, _ = ck.load(hub.Checkpoint(str(dense), None, False, "dense"), cpu, dtype=torch.float32)
+    ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
+    reference, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
+    assert ck.greedy_tokens(model, ids, 8) == ck.greedy_tokens(reference, ids, 8)
+    assert {r["kind"] for r in ck.memory_report(model)} == {"fp32", "buffers"}

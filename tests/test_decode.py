@@ -89,7 +89,7 @@ def test_chunked_readback_gives_the_same_tokens_in_chunks(setup, every):
 def test_the_decoder_stops_where_generate_does_once_per_readback_and_counts_exactly_when_told(setup):
     backend, model, tokenizer, _, _, decoder, _, _ = setup
     ids = ck.chat_ids(tokenizer, backend.device, prompt="What is the capital of France?")
-    expected, _, _ = g.generate(model, tokenizer, ids, backend, 16)  # a short answer, then <end_of_turn>
+    expected, _, _ = g.generate(model, tokenizer, ids, backend, 16)  # a short answer, then <turn|>
     assert len(expected) < 16 and expected[-1] in g.stop_ids(model)
     for every in (1, 4, 16):
         chunks = []

@@ -26,7 +26,7 @@ def test_generates_exactly_the_asked_number_of_tokens_with_a_step_time_each(setu
 
 def test_greedy_config_stops_at_the_models_stop_ids_or_explicitly_never(setup):
     _, _, model, tokenizer, _ = setup
-    stops = tokenizer.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
+    stops = tokenizer.convert_tokens_to_ids(["<eos>", "<turn|>"])
     assert g.stop_ids(model) == stops  # generation_config.json's list, as the real checkpoint has
     config = g.greedy_config(model, 7)
     assert config.eos_token_id == stops and config.max_new_tokens == 7 and config.do_sample is False
@@ -41,7 +41,7 @@ def test_generate_stops_at_the_end_of_turn_and_the_exact_count_mode_does_not(set
     backend, _, model, tokenizer, _ = setup
     ids = ck.chat_ids(tokenizer, backend.device, prompt=SHORT_ANSWER)
     stopped, _, _ = g.generate(model, tokenizer, ids, backend, 10)
-    assert len(stopped) < 10 and stopped[-1] == tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    assert len(stopped) < 10 and stopped[-1] == tokenizer.convert_tokens_to_ids("<turn|>")
     assert tokenizer.decode(stopped, skip_special_tokens=True) == "Paris is the capital of France."
     exact, _, _ = g.generate(model, tokenizer, ids, backend, 10, stop=False)
     assert len(exact) == 10 and exact[: len(stopped)] == stopped

@@ -19,11 +19,12 @@ def series():
 
 def test_e2b_figures_by_step_meet_the_targets_and_the_sources_ceilings():
     rows = {r["step"]: r for r in e2b.step_figures()}
-    assert round(rows["05 4-bit table"]["weights_on_device"] / 1e9, 2) == 5.88  # "5.9 GB at step 05"
+    # the tables' float32 steps (exact for Google's tables): 6.03 GB at step 05, 5.88 with bf16 ones
+    assert round(rows["05 4-bit table"]["weights_on_device"] / 1e9, 2) == 6.03
     assert round(rows["04 compiled step"]["ceiling_tok_s"]) == 179  # all bf16: 4.56 GB a token
     assert round(rows["07 int4 linears"]["ceiling_tok_s"], -1) == 440  # int4 linears, bf16 head: ~438
     best = rows["07 int4 linears, 4-bit head"]
-    assert best["weights_on_device"] < 2.7e9 and best["bytes_per_token"] < 1.4e9
+    assert best["weights_on_device"] < 2.8e9 and best["bytes_per_token"] < 1.4e9
     assert rows["06 ring cache, 131,328 positions"]["cache_read"] == 813_170_688
 
 
@@ -34,7 +35,7 @@ def test_step_bytes_counts_each_tensor_once_one_row_of_the_gathered_table_and_th
     every = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     in_table = {id(t) for t in [*table.parameters(), *table.buffers()]}
     whole = sum(t.numel() * t.element_size() for k, t in every.items() if k not in in_table)
-    row = table.packed.shape[1] * 4 + table.scales.shape[1] * 2  # a packed row and its scales
+    row = table.packed.shape[1] * 4 + table.scales.shape[1] * table.scales.element_size()  # a packed row, its scales
     cache = d.cache_bytes(decoder.cache)
     assert roofline.step_bytes(model, decoder.cache) == whole + row + cache
     assert roofline.cache_read_bytes(decoder.cache) == cache

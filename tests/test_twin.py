@@ -84,17 +84,19 @@ def test_e2b_has_the_checkpoints_276_packed_linears_by_the_same_rule():
     assert sum(isinstance(m, torch.nn.Linear) for m in model.model.modules()) == 276
 
 
-def test_tables_are_bf16_on_a_4bit_grid_whose_products_bf16_rounded(tensors):
+def test_tables_are_bf16_level_times_a_step_finer_than_bf16(tensors):
     from helpers import qtable
 
     for key in ("model.language_model.embed_tokens.weight", "model.language_model.embed_tokens_per_layer.weight"):
         table = tensors[key]
         assert table.dtype == torch.bfloat16
-        codes, scales, found = qtable.recover_grid(table)
-        assert found.all()
-        # the real quirk: for some groups bf16(peak / k) is not the scale, the peak being rounded
-        assert not qtable.recover_grid(table, search=0)[2].all()
-        assert (scales < 0).any() and (scales > 0).any()  # both code ranges, -8..7 and -7..8
+        codes, steps, found = qtable.recover_grid(table)
+        assert found.all() and torch.equal(qtable.dequantize(codes, steps, torch.bfloat16), table)
+        # the real export's quirk: its steps are wider than bf16, so a bf16 scale per group does
+        # not give every value back (published: ~74% of the real table's values), float32 ones do
+        assert qtable.exact_scales(steps).dtype == torch.float32
+        assert not torch.equal(qtable.dequantize(codes, steps.to(torch.bfloat16), torch.bfloat16), table)
+        assert (steps < 0).any() and (steps > 0).any()  # both code ranges, -8..7 and -7..8
 
 
 def test_linears_are_packed_int4_codes(tensors):
@@ -118,7 +120,7 @@ def test_the_real_repositorys_file_set(folder):
     } <= names
     generation = json.loads((folder / "generation_config.json").read_text())
     tok = ck.load_tokenizer(hub.Checkpoint(str(folder), None, True, "test"))
-    assert generation["eos_token_id"] == tok.convert_tokens_to_ids(["<eos>", "<end_of_turn>"])
+    assert generation["eos_token_id"] == tok.convert_tokens_to_ids(["<eos>", "<turn|>"])
 
 
 def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
@@ -145,9 +147,34 @@ def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
     tok = ck.load_tokenizer(checkpoint)
     model, _ = ck.load(checkpoint, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
     tokens = ck.greedy_tokens(model, ck.chat_ids(tok, "cpu"), twin.ANSWER_TOKENS)
-    assert len(tokens) < twin.ANSWER_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<end_of_turn>")
+    assert len(tokens) < twin.ANSWER_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
     assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[ck.PROMPT]
     assert g.until_stop(tokens, g.stop_ids(model)) == tokens
+    # thinking on: Gemma 4's template opens a system turn with <|think|>, the reply a thinking channel
+    question, answer = twin.THINKING_CHATS[0]
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False, enable_thinking=True
+    )
+    assert text.startswith("<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n") and text.endswith("<|turn>model\n")
+    tokens = ck.greedy_tokens(model, ck.encode(tok, text, "cpu"), twin.ANSWER_TOKENS)
+    assert tok.decode(tokens) == answer + "<turn|>" and tok.decode(tokens).startswith("<|channel>thought\n")
+
+
+def test_the_chat_template_is_gemma_4s_turn_format(folder):
+    tok = ck.load_tokenizer(hub.Checkpoint(str(folder), None, True, "test"))
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Bye"},
+    ]
+    assert tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == (
+        "<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\nHello.<turn|>\n"
+        "<|turn>user\nBye<turn|>\n<|turn>model\n"
+    )
+    special = {t.content for t in tok.added_tokens_decoder.values() if t.special}
+    assert {"<|turn>", "<turn|>", "<|think|>", "<|channel>", "<channel|>"} <= special
+    assert "<start_of_turn>" not in tok.get_vocab()
 
 
 def test_on_grid_is_exact_and_idempotent():
