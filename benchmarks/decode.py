@@ -24,8 +24,7 @@ from cpu_model import cpu_model
 
 import helpers
 from helpers import decode as d
-from helpers import e2b, roofline, twin
-from helpers import generate as g
+from helpers import e2b, roofline, sampling, twin
 from helpers.bench import table, time_fn
 from helpers.fused import fuse_projections
 from helpers.qlinear import QLinear
@@ -49,7 +48,7 @@ n, max_len = args.tokens, d.PREFILL_BUCKETS[2] + args.tokens + args.k
 
 
 def hf(**kwargs):
-    config = g.greedy_config(model, n, stop=False)  # exactly n tokens: each run times the same count
+    config = sampling.greedy_config(model, n, stop=False)  # exactly n tokens: each run times the same count
     config.update(**kwargs)
     with torch.no_grad():
         return model.generate(ids, generation_config=config).sequences[0, ids.shape[1] :].tolist()

@@ -110,6 +110,8 @@ _MODULES = {
     "sampling",
     "series",
     "setup",
+    "sources",
+    "steps",
     "tour",
     "twin",
 }

@@ -230,6 +230,13 @@ class Backend:
         options.setdefault("dynamic", False)
         return torch.compile(fn, backend=_COMPILE_BACKEND[self.name], **options)
 
+    def set_float32_matmuls_exact(self) -> None:
+        """On a TPU, float32 matmuls run in bf16 passes unless told otherwise: set torch's global
+        float32 matmul precision to "highest" there (a process-wide setting, named as such), so
+        the float32 twin's exact comparisons hold. Nothing to do elsewhere."""
+        if self.name == "tpu":
+            torch.set_float32_matmul_precision("highest")
+
     def matvec_loop_options(self) -> dict | None:
         """``compile`` options that make a decode step's one-row matmuls loops inductor writes
         (multiply and sum) instead of calls to the BLAS matrix-vector product: inductor's own

@@ -241,17 +241,6 @@ def step_plot(
     return fig
 
 
-def copy_bandwidth(backend, megabytes: int = 256, repeats: int = 5) -> float:
-    """Bytes per second this device moves in a large copy (read + write), measured here: the
-    practical ceiling a memory-bound decode step can approach."""
-    import torch
-
-    src = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32, device=backend.device)
-    dst = torch.empty_like(src)
-    timing = time_fn(dst.copy_, src, sync=lambda: (backend.flush(), backend.sync()), warmup=1, repeats=repeats)
-    return 2 * src.numel() * 4 / timing.median
-
-
 def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[str, float]):
     """Ceiling tok/s by step (computed), the source's measured tok/s beside the steps it
     measured, and a peer's figure as a line, each labelled with where it comes from."""

@@ -3,10 +3,14 @@ in chunks), so the history is never run again, and the reply streams as it is ma
 
 from __future__ import annotations
 
+import html
+
 import torch
 
 from . import checkpoint as ck
+from .bench import fmt_bytes
 from .decode import cache_bytes
+from .generate import StepStreamer
 from .ring import RingDecoder
 
 _SENTINEL = "\x00reply\x00"  # stands for the last reply while the template renders the next turn
@@ -98,13 +102,8 @@ def chat_widget(chat: Chat):
     """An ipywidgets chat on ``chat``: type a message, then Enter or Send; the reply streams in
     with live tok/s (``StepStreamer``), then the context and the cache's bytes. Returns the
     widget; its ``submit(text)`` sends a message as the button does (a scripted conversation)."""
-    import html
-
-    import ipywidgets as w
+    import ipywidgets as w  # only where a widget is shown
     from IPython.display import display
-
-    from .bench import fmt_bytes
-    from .generate import StepStreamer
 
     log, live = w.HTML(), w.HTML()
     box = w.Text(placeholder="a message, then Enter", continuous_update=False, layout=w.Layout(width="70%"))

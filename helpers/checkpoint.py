@@ -18,7 +18,7 @@ import torch
 from .backend import Backend
 from .bench import fmt_bytes
 from .e2b import estimate_device_bytes
-from .hub import Checkpoint, CheckpointError, choose_checkpoint, local_folder
+from .hub import Checkpoint, CheckpointError, local_folder
 from .packed import (
     CHECKPOINT_PREFIX,
     GROUP_SIZE,
@@ -28,6 +28,8 @@ from .packed import (
     tensor_kind,
     text_key,
 )
+from .sampling import greedy_config
+from .twin import PROMPT
 
 
 def name_map(checkpoint: Checkpoint) -> list[dict]:
@@ -130,9 +132,6 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
     from transformers.utils import logging as hf_logging
 
     start = time.perf_counter()
-    if backend.name == "tpu" and dtype == torch.float32:
-        # a TPU runs float32 matmuls in bf16 by default: the twin's exact comparisons need float32
-        torch.set_float32_matmul_precision("highest")
     folder = local_folder(checkpoint)
     config = text_config(read_config(folder))
     print(preflight(config, backend, dequantize))
@@ -214,9 +213,6 @@ def encode(tokenizer, text: str, device) -> torch.Tensor:
     if ids.shape[1] == 0 or ids[0, 0] != tokenizer.bos_token_id:
         ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
     return ids.to(device)
-
-
-PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
 
 
 def chat_ids(tokenizer, device, prompt: str = PROMPT) -> torch.Tensor:
@@ -313,21 +309,6 @@ def compression_report(model) -> list[dict]:
     return rows
 
 
-# --- the step's row in the results table -------------------------------------------------------
-STEP = "02 loading"
-
-
-def record(results, backend: Backend, label: str, model, load_s: float, **extra) -> dict:
-    """The model's bytes by kind, as one row of the results table."""
-    report = memory_report(model)
-    kinds = {}
-    for row in report:
-        kinds[row["kind"]] = kinds.get(row["kind"], 0) + row["bytes"]
-    return results.add(
-        STEP, label, backend=backend.name, load_s=load_s, device_bytes=sum(kinds.values()), bytes_by_kind=kinds, **extra
-    )
-
-
 def generation_length(backend: Backend) -> int:
     """Tokens generated per run in the series: 32; 8 on xla, where ``generate`` compiles a
     new graph at every step."""
@@ -337,8 +318,6 @@ def generation_length(backend: Backend) -> int:
 def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
     """HF ``generate``'s greedy tokens after ``ids``: at most ``new_tokens``, up to and
     including the first stop id, as notebook 03's reference."""
-    from .generate import greedy_config
-
     out = model.generate(ids, generation_config=greedy_config(model, new_tokens))
     return out.sequences[0, ids.shape[1] :].tolist()
 
@@ -365,23 +344,3 @@ def unpack_is_exact(device) -> bool:
     codes = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 4)
     unpacked = unpack_from_int32(pack_to_int32(codes, 4).to(device), 4, codes.shape)
     return torch.equal(unpacked.cpu(), codes)
-
-
-def run_step(backend: Backend, results) -> list[dict]:
-    """The tour's loading step: both load paths, bytes by kind after a first forward, and
-    whether each gives the dequantized reference model's greedy tokens (the dequantized
-    path must; the default path must wherever unpacking on the device is exact)."""
-    checkpoint = choose_checkpoint(backend)
-    print(checkpoint)
-    ids, new_tokens = chat_ids(load_tokenizer(checkpoint), backend.device), generation_length(backend)
-    expected = check_tokens(backend, checkpoint, ids, new_tokens)
-    exact_unpack = unpack_is_exact(backend.device)
-    rows = []
-    for label, dequantize in (("compressed (default)", False), ("dequantize=True", True)):
-        model, load_s = load(checkpoint, backend, dequantize=dequantize)
-        same = greedy_tokens(model, ids, new_tokens) == expected
-        if same != (dequantize or exact_unpack):
-            raise AssertionError(f"{label}: same tokens as the dequantized reference: {same}")
-        rows.append(record(results, backend, label, model, load_s, same_tokens=same))
-        unload(model, backend)
-    return rows

@@ -10,13 +10,12 @@ import statistics
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
-from . import generate as g
 from .backend import Backend
 from .bench import time_fn
+from .checkpoint import compression_report, memory_report
 from .sampling import Sampler, first_stop, stop_strings_criteria
+from .sampling import stop_ids as model_stop_ids  # generate's argument is stop_ids
 
-STEP = "04 compiled decode"
-SOURCE_TOK_S = 32  # the source's figure, TPU v5e-1: 31-33 tok/s
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -26,8 +25,6 @@ def strip_compressed_wrappers(model) -> dict:
     quantization parameters, and remove the offloading wrappers. Returns what was removed."""
     from compressed_tensors.offload import remove_dispatch
     from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
-
-    from .checkpoint import compression_report
 
     before = {r["what"]: r["count"] for r in compression_report(model)}
     quantizer = getattr(model, "hf_quantizer", None)
@@ -86,15 +83,20 @@ def set_length(cache: Cache, length: int) -> None:
             layer.cumulative_length.fill_(length)
 
 
-def cache_bytes(cache: Cache) -> int:
-    """K and V bytes the cache holds, from its tensors."""
-    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers if layer.is_initialized)
+def cache_bytes(cache) -> int:
+    """K and V bytes the cache holds, from its tensors: every allocated slot of a static or ring
+    cache (what the attention reads each step: the mask drops unused slots after the read), what
+    a dynamic cache holds now."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in getattr(cache, "layers", [])
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if t is not None
+    )
 
 
 def device_bytes(model, cache: Cache) -> int:
     """Weights and buffers (tied ones once) plus the KV cache, from their tensors."""
-    from .checkpoint import memory_report
-
     return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)
 
 
@@ -213,7 +215,7 @@ class Decoder:
             raise ValueError(
                 f"{held}prompt {ids.shape[1]} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
             )
-        stops = set(g.stop_ids(self.model) if stop_ids is None else stop_ids)
+        stops = set(model_stop_ids(self.model) if stop_ids is None else stop_ids)
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer (tokenizer=...), as in transformers' generate")
         criteria = stop_strings_criteria(tokenizer, stop_strings)
@@ -276,16 +278,6 @@ def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, 
     }
 
 
-def bytes_per_token(model, cache: Cache) -> int:
-    """Bytes one decode step must read: every weight (the tied embedding fully, as the output
-    head's matmul reads it), one row of the per-layer table, and the whole static KV cache
-    (attention reads every slot; the mask drops the unused ones afterwards)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    table = model.model.embed_tokens_per_layer.weight
-    weights -= table.numel() * table.element_size() - table.shape[1] * table.element_size()
-    return weights + cache_bytes(cache)
-
-
 def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
     """The trap this notebook avoids, counted: transformers' own ``StaticCache`` in a decode
     step compiled with static shapes. Its sliding layers count tokens in a Python int, so every
@@ -313,60 +305,3 @@ def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[
                 return counts, str(err).splitlines()[0]
             counts.append(count.graphs)
     return counts, None
-
-
-def record(
-    results,
-    step: str,
-    label: str,
-    decoder: Decoder,
-    series,
-    tokens: list[int],
-    compiles: int,
-    source_tok_s: float,
-    runs: list[float] | None = None,
-) -> dict:
-    """A compiled step's row of the results table, the same from its notebook and the tour:
-    decode tok/s (median of 3 timed runs, or the given ``runs``) and their spread (fastest over
-    slowest: a busy machine shows here), same tokens as notebook 03, compilations, the bytes of
-    weights and cache on the device from their tensors, the 4-bit table's bytes if it has one,
-    and the roofline columns (bytes one step reads, GB/s, % of the read bandwidth)."""
-    from . import roofline
-
-    if runs is None:
-        runs = timed_generate(decoder, series.ids, series.new_tokens, readback_every=16)["rates"]
-    bandwidth, _ = roofline.read_bandwidth(decoder.backend)
-    bytes_per_token = roofline.step_bytes(decoder.model, decoder.cache)
-    return results.add(
-        step,
-        label,
-        backend=decoder.backend.name,
-        decode_tok_s=statistics.median(runs),
-        tok_s_spread=max(runs) / min(runs),
-        same_tokens=tokens == series.reference,
-        compiles=compiles,
-        device_bytes=device_bytes(decoder.model, decoder.cache),
-        table_bytes=series.table["bytes after"] if series.table else None,
-        source_tok_s=source_tok_s,
-        **roofline.columns(bytes_per_token, statistics.median(runs), bandwidth),
-    )
-
-
-def compiled_run(
-    backend: Backend, results, step: str, label: str, source_tok_s: float, after: int = 4, decoder_class=Decoder
-) -> dict:
-    """A compiled step of the series end to end for the tour: the model as notebook ``after``
-    leaves it (``series.prepare``), a decoder of ``decoder_class``, generate, time; its row."""
-    from .series import prepare
-
-    series = prepare(backend, after, results.path.parent)
-    torch._dynamo.reset()  # count what this step compiles, not a graph an earlier run left cached
-    decoder = decoder_class(series.model, backend, max_len=256)
-    with backend.compile_counter() as count:
-        tokens = decoder.generate(series.ids, series.new_tokens)
-    return record(results, step, label, decoder, series, tokens, count.graphs, source_tok_s)
-
-
-def run_step(backend: Backend, results) -> dict:
-    """The tour's compiled-decode step."""
-    return compiled_run(backend, results, STEP, "compiled step", SOURCE_TOK_S)

@@ -3,7 +3,6 @@ reference tokens every later notebook must reproduce."""
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import html
 import json
@@ -15,42 +14,7 @@ from transformers import TextStreamer
 
 from .backend import Backend
 from .bench import run_dir, update_json
-from .checkpoint import generation_length
-
-STEP = "03 baseline"
-SOURCE_TOK_S = 5  # the source's figure, TPU v5e-1: HF generate, ~5 tok/s
-
-
-def stop_ids(model) -> list[int]:
-    """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
-    Gemma 4's and the twin's: ``<eos>`` and ``<turn|>``)."""
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-def until_stop(tokens: list[int], stops) -> list[int]:
-    """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
-    from .sampling import first_stop
-
-    return tokens[: first_stop([], tokens, stops)]
-
-
-def greedy_config(model, new_tokens: int, stop: bool = True):
-    """Greedy, at most ``new_tokens`` tokens, stopping at the model's stop ids as ``generate``
-    does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
-    ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
-    config = copy.deepcopy(model.generation_config)
-    config.update(
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        min_new_tokens=None,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-        return_dict_in_generate=True,
-        eos_token_id=stop_ids(model) if stop else [],
-    )
-    return config
+from .sampling import greedy_config, stop_ids, until_stop
 
 
 class StepStreamer(TextStreamer):
@@ -141,6 +105,7 @@ def measure(
         "prefill_s": prefill,
         "decode_tok_s": statistics.median(rates),
         "tok_s_spread": max(rates) / min(rates),
+        "rates": rates,
         "tokens": until_stop(tokens, stop_ids(model)),
         "repeats": repeats,
     }
@@ -200,51 +165,6 @@ def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: i
             "programs_second": second.step_programs,
         }
     return calls
-
-
-def load_for_series(backend: Backend):
-    """Notebook 02's checkpoint, tokenizer and the series' prompt, loaded as notebooks 03-06 use
-    them: the default compressed path, except where unpacking on the device is not exact."""
-    from . import checkpoint as ck
-    from . import hub
-
-    checkpoint = hub.choose_checkpoint(backend)
-    dequantize = not ck.unpack_is_exact(backend.device)
-    model, load_s = ck.load(checkpoint, backend, dtype=ck.series_dtype(checkpoint), dequantize=dequantize)
-    tokenizer = ck.load_tokenizer(checkpoint)
-    return checkpoint, model, tokenizer, ck.chat_ids(tokenizer, backend.device)
-
-
-def run_step(backend: Backend, results) -> dict:
-    """The tour's baseline step: decode tok/s and prefill time of HF generate, the reference
-    tokens saved for notebooks 04-06."""
-    checkpoint, model, tokenizer, ids = load_for_series(backend)
-    print(checkpoint)
-    new_tokens = generation_length(backend)
-    measured = measure(model, tokenizer, ids, backend, new_tokens)
-    save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"], results.path.parent)
-    return record(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
-
-
-def record(results, backend: Backend, measured: dict, model, context: int) -> dict:
-    """Notebook 03's row of the results table (``measured``: what ``measure`` returns), the
-    same from the notebook and the tour, with the roofline: the weights as they are on the
-    device, and HF's dynamic cache at ``context`` positions (its sliding layers keep a window)."""
-    from . import roofline
-    from .e2b import kv_cache_bytes
-
-    bandwidth, _ = roofline.read_bandwidth(backend)
-    dtype_bytes = next(model.parameters()).element_size()
-    step = roofline.step_bytes(model) + kv_cache_bytes(model.config, context, ring=True, dtype_bytes=dtype_bytes)
-    keys = ("decode_tok_s", "tok_s_spread", "prefill_s")
-    return results.add(
-        STEP,
-        "HF generate",
-        backend=backend.name,
-        **{k: measured[k] for k in keys},
-        source_tok_s=SOURCE_TOK_S,
-        **roofline.columns(step, measured["decode_tok_s"], bandwidth),
-    )
 
 
 def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int, folder=None) -> list[int]:

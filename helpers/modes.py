@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backend import Backend
-from .bench import Results, time_fn
+from .bench import time_fn
 
 
 def op_stack(x: torch.Tensor, depth: int = 10) -> torch.Tensor:
@@ -69,25 +69,4 @@ def shape_demo(backend: Backend, mode: str = "compile", sizes=(64, 64, 128, 128,
         new = count.graphs if mode == "compile" else count.programs
         total += new
         rows.append({"input": f"{size}x{size}", "new_compilations": new, "total": total})
-    return rows
-
-
-STEP = "01 modes"
-SOURCE_COMPILE_SPEEDUP = 98  # the source's figure, TPU v5e-1: compiled ">98x" faster than eager
-
-
-def run_step(backend: Backend, results: Results, **options) -> list[dict]:
-    """Compare the modes and record one results row per mode, the source's figure beside
-    ours on the compile row."""
-    rows = compare_modes(backend, **options)
-    for row in rows:
-        source = SOURCE_COMPILE_SPEEDUP if row["mode"] == "compile" else None
-        results.add(
-            STEP,
-            row["mode"],
-            backend=backend.name,
-            ms=row["median_ms"],
-            speedup_vs_eager=row["speedup_vs_eager"],
-            source_speedup=source,
-        )
     return rows

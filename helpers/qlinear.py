@@ -10,7 +10,7 @@ import torch
 
 from .hub import local_folder
 from .packed import CheckpointTensors, checkpoint_key
-from .qtable import dequantize, unpack_rows
+from .qtable import dequantize, exact_scales, recover_grid, unpack_rows
 
 FORMATS = ("int8", "int4")
 
@@ -37,8 +37,6 @@ class QLinear(torch.nn.Module):
         """From a linear whose weight lies on a 4-bit grid (its codes and scales recovered
         exactly, never re-quantized); for a model that was not loaded from a packed checkpoint."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
-        from .qtable import exact_scales, recover_grid
 
         codes, scales, found = recover_grid(linear.weight.detach().cpu())
         if not found.all():
@@ -67,16 +65,17 @@ def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
     freed. Returns the count and bytes before and after."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    from .fused import Part
-
-    if any(isinstance(m, Part) for m in model.modules()):
-        raise ValueError("fused projections: keep the linears compressed first, then fuse them")
     before = after = swapped = 0
     with CheckpointTensors(local_folder(checkpoint)) as tensors:
         for name, module in list(model.model.named_modules()):
             stem = checkpoint_key(f"model.{name}") + "."
-            if not isinstance(module, (torch.nn.Linear, QLinear)) or stem + "weight_packed" not in tensors:
-                continue  # a QLinear already there is rebuilt in the format asked for
+            if stem + "weight_packed" not in tensors or not hasattr(module, "in_features"):
+                continue  # not a linear's (a table saved packed is QTable's)
+            if not isinstance(module, (torch.nn.Linear, QLinear)):
+                raise ValueError(
+                    f"{name} is a {type(module).__name__}, not a linear (fused projections?): keep the linears "
+                    "compressed first, then fuse them"
+                )  # a QLinear already there is rebuilt in the format asked for below
             if getattr(module, "bias", None) is not None:
                 raise ValueError(f"{name} has a bias: QLinear keeps bias-free linears only")
             packed = tensors.get(stem + "weight_packed")

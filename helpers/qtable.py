@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from .packed import GROUP_SIZE
+from .hub import local_folder
+from .packed import GROUP_SIZE, CheckpointTensors, checkpoint_key
 
-STEP = "05 4-bit table"
-SOURCE_TOK_S = 50  # the source's figure, TPU v5e-1
 ROWS_PER_BLOCK = 1024  # E2B's table is 2.3 G values: work through it on the host in blocks
 # The peak's level, most likely first: a QAT grid's step is set by its largest value (level 7
 # or 8); smaller ones hold for groups whose values all share a factor.
@@ -201,9 +200,6 @@ class QTable(torch.nn.Module):
         """Built from the checkpoint's own packed data, if it saved table ``name`` packed
         (``weight_packed``, ``weight_scale``, ``weight_shape``); else None. Read from the
         safetensors files directly: transformers' default path drops such an embedding's weight."""
-        from .hub import local_folder
-        from .packed import CheckpointTensors, checkpoint_key
-
         key = checkpoint_key(f"model.{name}")
         with CheckpointTensors(local_folder(checkpoint)) as tensors:
             if f"{key}.weight_packed" not in tensors:
@@ -268,10 +264,3 @@ def keep_embed_in_4bit(model) -> dict:
     model.model.embed_tokens, report = QTable.from_embedding(model.model.embed_tokens)
     model.lm_head = QHead(model.model.embed_tokens)
     return report
-
-
-def run_step(backend, results) -> dict:
-    """The tour's 4-bit-table step: notebook 04's compiled step on notebook 05's model."""
-    from . import decode
-
-    return decode.compiled_run(backend, results, STEP, "4-bit table", SOURCE_TOK_S, after=5)

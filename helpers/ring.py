@@ -5,14 +5,17 @@ is always known; long prompts go through in fixed-size chunks, the last one padd
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import torch
+from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, StaticLayer
 
 from .bench import time_fed, time_fn
 from .decode import Decoder, allocated_layers, cache_bytes, greedy_step
+from .sampling import greedy_config
 
-STEP = "06 ring cache"
-SOURCE_TOK_S = 38  # the source's figure, TPU v5e-1: 38-45 tok/s (38 at long context)
 EMPTY = -1  # the position of a slot never written
 
 
@@ -79,9 +82,8 @@ class RingCache(Cache):
 
     Per chunk: ``masks(positions)`` for the model's ``attention_mask``, the forward with
     ``ring_positions`` and ``ring_valid``, then ``commit(positions, valid)`` records which
-    position each ring slot now holds. Passed to transformers' ``generate`` (``cache=``), hooks
-    on the model do these from ``generate``'s own inputs; its prefill may be any length up to
-    ``max_len``."""
+    position each ring slot now holds. Inside ``generate_on_ring``, hooks on the model do these
+    from ``generate``'s own inputs; its prefill may be any length up to ``max_len``."""
 
     def __init__(self, model, max_len: int, chunk_size: int):
         config = model.config.get_text_config()
@@ -105,7 +107,6 @@ class RingCache(Cache):
                 model, lambda attn: RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)
             )
         )
-        _hook_for_generate(model.get_decoder())
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Positions seen so far (the latest is always in the ring): where ``generate`` goes on."""
@@ -140,12 +141,12 @@ class RingCache(Cache):
         self.slot_positions.index_copy_(0, slots, kept)
 
 
-def _hook_for_generate(text_model) -> None:
-    """Hooks on the text model (once) that give a forward called with a ``RingCache`` but without
-    ring inputs (transformers' ``generate``) the ring's masks and positions, and commit them
-    after. By hand: ``generate`` builds masks that assume keys at positions 0..n, not a ring."""
-    if getattr(text_model, "_ring_hooks", False):
-        return
+@contextlib.contextmanager
+def _hooked_for_generate(text_model):
+    """Hooks on the text model, for the block only, that give a forward called with a
+    ``RingCache`` but without ring inputs (transformers' ``generate``) the ring's masks and
+    positions, and commit them after. By hand: ``generate`` builds masks that assume keys at
+    positions 0..n, not a ring."""
 
     def before(module, args, kwargs):
         cache = kwargs.get("cache")
@@ -170,9 +171,15 @@ def _hook_for_generate(text_model) -> None:
             cache.commit(*cache.pending)
             cache.pending = None
 
-    text_model.register_forward_pre_hook(before, with_kwargs=True)
-    text_model.register_forward_hook(after, with_kwargs=True)
-    text_model._ring_hooks = True
+    handles = [
+        text_model.register_forward_pre_hook(before, with_kwargs=True),
+        text_model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 class RingDecoder(Decoder):
@@ -251,10 +258,6 @@ def context_sweep(
     also not compiled if ``eager``) and, if ``hf_default``, on HF's default cache (what
     ``generate`` builds: a ``DynamicCache``, whole-prompt prefill, eager), side by side; cache
     bytes measured from the cache tensors."""
-    import functools
-
-    from tqdm.auto import tqdm
-
     backend, model, rows = decoder.backend, decoder.model, []
 
     def ms_per_step(step, token, position):
@@ -289,12 +292,7 @@ def context_sweep(
             row["HF ms/token"] = ms_per_step(
                 step, out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[length]], device=backend.device)
             )
-            row["HF cache bytes"] = sum(
-                t.numel() * t.element_size()
-                for layer in out.past_key_values.layers
-                for t in (layer.keys, layer.values)
-                if t is not None
-            )
+            row["HF cache bytes"] = cache_bytes(out.past_key_values)
         rows.append(row)
     return rows
 
@@ -319,13 +317,6 @@ def plot_sweep(rows: list[dict]):
     return fig
 
 
-def run_step(backend, results) -> dict:
-    """The tour's ring-cache step: notebook 05's model (4-bit table) on the ring cache."""
-    from . import decode
-
-    return decode.compiled_run(backend, results, STEP, "ring cache", SOURCE_TOK_S, after=5, decoder_class=RingDecoder)
-
-
 @torch.no_grad()
 def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
     """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
@@ -342,8 +333,6 @@ def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compile
             "on xla use RingDecoder.generate (compiled with openxla) or compiled=False"
         )
 
-    from .generate import greedy_config
-
     class Graphs:  # a streamer that only counts
         def __init__(self):
             self.seen: list[int] = []
@@ -359,9 +348,10 @@ def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compile
     if compiled:
         model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
     try:
-        out = model.generate(
-            ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
-        )
+        with _hooked_for_generate(model.get_decoder()):
+            out = model.generate(
+                ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
+            )
     finally:
         if compiled:
             del model.forward  # back to the class's own, eager

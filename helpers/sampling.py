@@ -2,9 +2,12 @@
 semantics of transformers' ``GenerationConfig`` (its own logits warpers, in ``generate``'s
 order), then one draw per token by the Gumbel-max trick from noise keyed on (seed, position):
 no generator state in the compiled program, no host round trip, and the same tokens whatever
-the tokens per call."""
+the tokens per call. And where a run stops: the model's stop ids, stop strings, and the greedy
+configuration every step of the series compares against."""
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from transformers import GenerationConfig, StopStringCriteria
@@ -107,3 +110,33 @@ def first_stop(history: list[int], chunk: list[int], stop_ids, criteria: StopStr
         if criteria is not None and bool(criteria(torch.tensor([history + chunk[: i + 1]]), None)[0]):
             return i + 1
     return None
+
+
+def stop_ids(model) -> list[int]:
+    """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
+    Gemma 4's and the twin's: ``<eos>`` and ``<turn|>``)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def until_stop(tokens: list[int], stops) -> list[int]:
+    """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
+    return tokens[: first_stop([], tokens, stops)]
+
+
+def greedy_config(model, new_tokens: int, stop: bool = True):
+    """Greedy, at most ``new_tokens`` tokens, stopping at the model's stop ids as ``generate``
+    does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
+    ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        return_dict_in_generate=True,
+        eos_token_id=stop_ids(model) if stop else [],
+    )
+    return config

@@ -1,6 +1,7 @@
 """The series so far, in one call: the model as notebook N leaves it, with the series' prompt,
-generation length and notebook 03's reference tokens. Notebooks 04-06, the tour and the tests
-start from it, so the recipe (load, first forward, strip, 4-bit table) is written once."""
+generation length and notebook 03's reference tokens. Notebooks 03-08, the tour and the tests
+start from it, so the recipe (load, first forward, strip, 4-bit table) is written once. It sits
+above the lesson modules: it calls them in the order the notebooks do."""
 
 from __future__ import annotations
 
@@ -8,23 +9,36 @@ import dataclasses
 
 import torch
 
-from . import decode, generate, qtable
+from . import checkpoint as ck
+from . import decode, generate, hub, qtable
 from .backend import Backend
-from .checkpoint import generation_length
-from .hub import Checkpoint
 
 
 @dataclasses.dataclass
 class Series:
     """What the series has built so far on one backend."""
 
-    checkpoint: Checkpoint
+    checkpoint: hub.Checkpoint
     model: torch.nn.Module  # the text decoder on the backend's device
     tokenizer: object
     ids: torch.Tensor  # the series' chat prompt, [1, L] int64 on the device, BOS first
     new_tokens: int  # the series' generation length on this backend
     reference: list[int]  # notebook 03's tokens (HF generate), up to and including the stop
     table: dict | None = None  # notebook 05's report, once the per-layer table is in 4-bit
+
+
+def load_for_series(backend: Backend):
+    """Notebook 02's checkpoint, tokenizer and the series' prompt, loaded as notebooks 03-08 use
+    them: the default compressed path, except where unpacking on the device is not exact; the
+    tiny twin in float32 (``checkpoint.series_dtype``), with float32 matmuls made exact where a
+    backend would run them in bf16 (a TPU: a process-wide setting)."""
+    checkpoint = hub.choose_checkpoint(backend)
+    dtype = ck.series_dtype(checkpoint)
+    if dtype == torch.float32:
+        backend.set_float32_matmuls_exact()
+    model, _ = ck.load(checkpoint, backend, dtype=dtype, dequantize=not ck.unpack_is_exact(backend.device))
+    tokenizer = ck.load_tokenizer(checkpoint)
+    return checkpoint, model, tokenizer, ck.chat_ids(tokenizer, backend.device)
 
 
 def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
@@ -34,10 +48,10 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
     5: also the per-layer table in 4-bit. Prints which checkpoint and backend."""
     if after not in (3, 4, 5):
         raise ValueError(f"after={after}: the series can be prepared as notebook 3, 4 or 5 leaves it")
-    checkpoint, model, tokenizer, ids = generate.load_for_series(backend)
+    checkpoint, model, tokenizer, ids = load_for_series(backend)
     print(checkpoint)
     print(backend.describe())
-    new_tokens = generation_length(backend)
+    new_tokens = ck.generation_length(backend)
     reference = generate.reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens, folder)
     series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference)
     if after >= 4:

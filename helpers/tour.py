@@ -12,20 +12,9 @@ import argparse
 
 from tqdm.auto import tqdm
 
-from . import checkpoint, decode, generate, modes, qtable, ring, roofline
+from . import steps
 from .backend import get_backend
 from .bench import Results, closing_charts, run_dir
-
-STEPS = [
-    ("01 execution modes", modes.run_step),
-    ("02 loading", checkpoint.run_step),
-    ("03 baseline generate", generate.run_step),
-    ("04 compiled decode", decode.run_step),
-    ("05 4-bit table", qtable.run_step),
-    ("06 ring cache", ring.run_step),
-    ("07 past the source", roofline.run_step),
-]
-
 
 NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged
 
@@ -39,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     backend = get_backend(args.backend)
     print(backend.describe())
     results = Results(run_dir(args.run_dir))
-    for name, step in tqdm(STEPS, desc="tour", unit="step"):
+    for name, step in tqdm(steps.TOUR, desc="tour", unit="step"):
         tqdm.write(f"== {name}")
         step(backend, results)
     print(
@@ -72,9 +61,9 @@ def main(argv: list[str] | None = None) -> None:
             "rerun with nothing else running before comparing steps"
         )
     results.chart(
-        "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=modes.STEP, log=True
+        "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=steps.MODES, log=True
     )
-    results.chart("device_bytes", "model bytes on the device after a forward", step=checkpoint.STEP)
+    results.chart("device_bytes", "model bytes on the device after a forward", step=steps.LOADING)
     closing_charts(results)
     print(f"results and charts in {results.path.parent}/")
 

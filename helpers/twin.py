@@ -22,6 +22,7 @@ is exact: every later step can prove identical tokens.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import pathlib
@@ -79,10 +80,11 @@ CHAT_TEMPLATE = (
     "{% for m in messages if m['role'] != 'system' %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
+PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
 # What the twin learns to answer: short turns about the course. The series' prompt is the first.
 CHATS = [
     (
-        "Explain why compilation matters on a TPU, in two sentences.",
+        PROMPT,
         "A TPU is fast when it is handed large programs. Compiling a step once lets every token reuse it.",
     ),
     ("What is the capital of France?", "Paris is the capital of France."),
@@ -212,41 +214,6 @@ def _tokenizer(folder: pathlib.Path):
     return fast
 
 
-def build_packed_table_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
-    """The twin as a checkpoint that saved its per-layer table packed (``weight_packed``,
-    ``weight_scale``, ``weight_shape``, as its linears) instead of bf16: the path
-    ``QTable.from_checkpoint`` reads. Derived from the twin (same codes, same values); cached."""
-    source = build_tiny_twin(seed=seed)
-    folder = pathlib.Path(folder or cache_dir() / f"{source.name}-packed-table")
-    with _building(folder) as done:
-        if not done:
-            _pack_table(source, folder)
-    return folder
-
-
-def _pack_table(source: pathlib.Path, folder: pathlib.Path) -> None:
-    import shutil
-
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from safetensors.torch import load_file, save_file
-
-    from .qtable import exact_scales, recover_grid
-
-    shutil.copytree(source, folder, dirs_exist_ok=True)
-    (folder / "twin.json").unlink()
-    tensors = load_file(folder / "model.safetensors")
-    key = "model.language_model.embed_tokens_per_layer"
-    codes, scales, found = recover_grid(tensors.pop(f"{key}.weight"))
-    assert found.all(), "the twin's table is on its grid"
-    tensors |= {
-        f"{key}.weight_packed": pack_to_int32(codes, 4),
-        f"{key}.weight_scale": exact_scales(scales),
-        f"{key}.weight_shape": torch.tensor(codes.shape),
-    }
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    (folder / "twin.json").write_text((source / "twin.json").read_text())
-
-
 def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
     """Build (or reuse from the cache) the tiny twin checkpoint; returns its folder."""
     folder = pathlib.Path(folder or cache_dir() / f"tiny-twin-v{TWIN_VERSION}-seed{seed}")
@@ -332,18 +299,19 @@ ANSWER_TOKENS = 32  # the series' generation length
 
 def _greedy_answer(model, tokenizer) -> str:
     """The twin's greedy answer to the series' prompt, special tokens kept, computed in float32
-    as the series runs it."""
-    from .checkpoint import PROMPT
-
+    as the series runs it (on a float32 copy: ``model`` is left as it is)."""
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     ).input_ids
     with torch.no_grad():
-        out = model.float().generate(
-            ids,
-            max_new_tokens=ANSWER_TOKENS,
-            do_sample=False,
-            eos_token_id=tokenizer.convert_tokens_to_ids(STOP_TOKENS),
+        out = (
+            copy.deepcopy(model)
+            .float()
+            .generate(
+                ids,
+                max_new_tokens=ANSWER_TOKENS,
+                do_sample=False,
+                eos_token_id=tokenizer.convert_tokens_to_ids(STOP_TOKENS),
+            )
         )
-    model.to(torch.bfloat16)
     return tokenizer.decode(out[0, ids.shape[1] :])

@@ -112,7 +112,7 @@ helpers.show(helpers.op_stack)
 import torch
 
 results = helpers.Results()
-rows = helpers.modes.run_step(backend, results)
+rows = helpers.steps.modes_step(backend, results)
 print(helpers.bench.table(rows))
 
 x = torch.randn(256, 256).to(backend.device)
@@ -126,7 +126,7 @@ if "eager" in counted:
 
 # %%
 fig = results.chart(
-    "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=helpers.modes.STEP, log=True
+    "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=helpers.steps.MODES, log=True
 )
 
 # %% [markdown]

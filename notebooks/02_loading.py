@@ -206,7 +206,7 @@ def bf16(report):
 
 assert not any(r["kind"] == "packed int4" for r in after_forward) and bf16(after_forward) > bf16(after_load)
 results = helpers.Results()
-helpers.checkpoint.record(results, backend, "compressed (default)", model, load_s)
+helpers.steps.record_loading(results, backend, "compressed (default)", model, load_s)
 default_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
 # One model on the device at a time. `del model` alone can leave it all held: compressed-tensors
 # binds forwards onto modules (reference cycles), so on a 16 GB v5e-1 the next load's preflight
@@ -227,7 +227,7 @@ print(table(dense))
 report = {r["what"]: r["count"] for r in helpers.checkpoint.compression_report(model)}
 print(report)
 assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0
-helpers.checkpoint.record(results, backend, "dequantize=True", model, load_s)
+helpers.steps.record_loading(results, backend, "dequantize=True", model, load_s)
 dense_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
 helpers.checkpoint.unload(model, backend)
 del model

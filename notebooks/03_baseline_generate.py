@@ -28,8 +28,9 @@
 # ends the turn: `generate` stops at the generation config's stop ids (`<eos>` and Gemma 4's
 # end of turn `<turn|>`, ids 1 and 106 in the real vocabulary), and so does every later decoder.
 #
-# **What the source measured:** about 5 tokens/s on a TPU v5e-1, where a JAX engine runs
-# the same model at 130+ tokens/s.
+# **What the source measured:** about 5 tokens/s on a TPU v5e-1. On the same chip a pure-JAX
+# engine runs the same model at 135.0 tokens/s with bf16 weights (its author's figure:
+# xbill9/colab-jax, article `02-e2b-repack-vs-stock`; all peer figures are in `helpers.sources`).
 
 # %% [markdown]
 # ## Set up
@@ -87,7 +88,7 @@ helpers.install_missing()
 
 # %%
 backend = helpers.get_backend()
-checkpoint, model, tokenizer, ids = helpers.generate.load_for_series(backend)
+checkpoint, model, tokenizer, ids = helpers.series.load_for_series(backend)
 print(checkpoint)
 print(backend.describe())
 new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla
@@ -169,7 +170,7 @@ print(
     compiled.graphs,
 )
 print("text:", streamer.text)
-stops = helpers.generate.stop_ids(model)
+stops = helpers.sampling.stop_ids(model)
 ended = bool(streamed) and streamed[-1] in stops
 print(f"{len(streamed)} tokens; stop ids {stops} (the generation config's); ended its turn: {ended}")
 assert streamed == tokens
@@ -191,13 +192,13 @@ assert ended or not checkpoint.tiny or new_tokens < helpers.twin.ANSWER_TOKENS  
 measured = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
 print(
     f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s "
-    f"(the source, TPU v5e-1: ~{helpers.generate.SOURCE_TOK_S} tok/s)"
+    f"(the source, TPU v5e-1: ~{helpers.sources.HF_GENERATE_TOK_S} tok/s)"
 )
 assert measured["tokens"] == tokens
 results = helpers.Results()
 # this step's row, as the tour writes it: the roofline at the run's mean context
-helpers.generate.record(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
-fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.generate.STEP)
+helpers.steps.record_baseline(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
+fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.steps.BASELINE)
 
 # %% [markdown]
 # ## A trap on PyTorch/XLA: prompts shorter than the sliding window

@@ -170,16 +170,18 @@ assert sum(counts) > 1
 # ## Speed, side by side in this run
 # **What we test:** HF `generate` (notebook 03's measure), our loop reading every token
 # back to the host as it is made, and our loop reading back every 16 tokens. The source
-# found per-token readback ate much of the later gains. Beside tok/s: bytes a step reads
-# times tok/s, against this device's copy bandwidth measured here (gpt-fast reports the
-# same).
+# found per-token readback ate much of the later gains. Beside tok/s: the bytes a step reads
+# (`roofline.step_bytes`: every weight once, one row of the per-layer table, the KV cache)
+# times tok/s, against the bandwidth this device reads at (`roofline.read_bandwidth`: a read
+# probe measured here; on a TPU, Google's published 819 GB/s). The row recorded below uses the
+# same two functions, so it shows these numbers.
 
 # %%
 hf = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
 runs = {rb: helpers.decode.timed_generate(decoder, ids, new_tokens, rb) for rb in (1, 16)}  # 3 runs each
 ours = {rb: run["decode_tok_s"] for rb, run in runs.items()}
-step_bytes = helpers.decode.bytes_per_token(model, decoder.cache)
-ceiling = helpers.bench.copy_bandwidth(backend)
+step_bytes = helpers.roofline.step_bytes(model, decoder.cache)
+bandwidth, how = helpers.roofline.read_bandwidth(backend)
 rows = [
     {"loop": "HF generate", "decode_tok_s": hf["decode_tok_s"]},
     {"loop": "compiled step, read back every token", "decode_tok_s": ours[1]},
@@ -187,21 +189,17 @@ rows = [
 ]
 for row in rows:
     row["speedup_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
-    row["GB_per_s"] = step_bytes * row["decode_tok_s"] / 1e9
-    row["pct_of_copy_bw"] = 100 * step_bytes * row["decode_tok_s"] / ceiling
+    row |= helpers.roofline.columns(step_bytes, row["decode_tok_s"], bandwidth)
 print(helpers.bench.table(rows))
-print(
-    f"bytes read per step: {helpers.bench.fmt_bytes(step_bytes)}; copy bandwidth measured here: "
-    f"{ceiling / 1e9:.1f} GB/s (the source's ceiling on a v5e-1: 819 GB/s)"
-)
+print(f"bytes read per step: {helpers.bench.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 assert all(run["tokens"] == reference for run in runs.values())
 
 # %%
 results = helpers.Results()
 rates = runs[16]["rates"]  # the runs above, read back every 16 tokens
-step = helpers.decode.STEP
-helpers.decode.record(
-    results, step, "compiled step", decoder, series, tokens, first.graphs, helpers.decode.SOURCE_TOK_S, rates
+step = helpers.steps.COMPILED
+helpers.steps.record_compiled(
+    results, step, "compiled step", decoder, series, tokens, first.graphs, helpers.sources.COMPILED_STEP_TOK_S, rates
 )
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
 print(results.table(["step", "label", "backend", "decode_tok_s", "tok_s_spread", "source_tok_s", "compiles"]))

@@ -184,8 +184,15 @@ assert again.graphs == 0
 # %%
 series.table = report  # the model is notebook 05's now
 results = helpers.Results()
-row = helpers.decode.record(
-    results, helpers.qtable.STEP, "4-bit table", decoder, series, tokens, compiled.graphs, helpers.qtable.SOURCE_TOK_S
+row = helpers.steps.record_compiled(
+    results,
+    helpers.steps.TABLE,
+    "4-bit table",
+    decoder,
+    series,
+    tokens,
+    compiled.graphs,
+    helpers.sources.TABLE_4BIT_TOK_S,
 )
 rate = row["decode_tok_s"]
 print(

@@ -257,8 +257,8 @@ fig = helpers.ring.plot_sweep(sweep)
 
 # %%
 results = helpers.Results()
-helpers.decode.record(
-    results, helpers.ring.STEP, "ring cache", decoder, series, tokens, compiled.graphs, helpers.ring.SOURCE_TOK_S
+helpers.steps.record_compiled(
+    results, helpers.steps.RING, "ring cache", decoder, series, tokens, compiled.graphs, helpers.sources.RING_TOK_S
 )
 print(
     results.table(

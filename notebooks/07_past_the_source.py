@@ -116,11 +116,11 @@ assert best["weights_on_device"] < 2.8e9 and best["bytes_per_token"] < 1.4e9
 fig = helpers.bench.ceiling_chart(
     figures,
     measured={  # the source's figures, each from its step's module
-        "03 HF generate": helpers.generate.SOURCE_TOK_S,
-        "04 compiled step": helpers.decode.SOURCE_TOK_S,
-        "05 4-bit table": helpers.qtable.SOURCE_TOK_S,
+        "03 HF generate": helpers.sources.HF_GENERATE_TOK_S,
+        "04 compiled step": helpers.sources.COMPILED_STEP_TOK_S,
+        "05 4-bit table": helpers.sources.TABLE_4BIT_TOK_S,
     },
-    peer=("a pure-JAX engine", helpers.roofline.JAX_TOK_S),
+    peer=("a pure-JAX engine, bf16 weights (xbill9/colab-jax)", helpers.sources.JAX_BF16_TOK_S),
 )
 
 # %% [markdown]
@@ -174,10 +174,10 @@ helpers.show(
 # after another: the spread column (fastest over slowest run) says when the machine was busy.
 
 # %%
-ks = helpers.roofline.KS[backend.name == "xla"]  # each K is a compile: fewer on XLA's CPU client
+ks = helpers.steps.KS[backend.name == "xla"]  # each K is a compile: fewer on XLA's CPU client
 token = series.ids[:, :1]
 matmuls = helpers.fused.linear_calls(series.model, token)
-rows = helpers.roofline.measure_variants(backend, series, ks=ks)  # the last variant fuses the model's projections
+rows = helpers.steps.measure_variants_in_place(backend, series, ks=ks)  # the last variant fuses the model's projections
 print(
     f"matmuls with a weight per token: {matmuls} before fusing, {helpers.fused.linear_calls(series.model, token)} after"
 )
@@ -218,6 +218,6 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 
 # %%
 results = helpers.Results()
-helpers.roofline.record(results, backend, rows)
+helpers.steps.record_variants(results, backend, rows)
 print(results.table(["step", "label", "backend", "decode_tok_s", "pct_of_bw", "same_tokens", "compiles"]))
 figs = helpers.bench.closing_charts(results)

@@ -151,7 +151,7 @@ tokens = sampled.generate(
 )
 text = tokenizer.decode(tokens, skip_special_tokens=True)
 print(f"{len(tokens)} tokens, {streamer.tok_s or 0:.1f} tok/s after the first: {text!r}")
-assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tokens) == series.new_tokens
+assert stop in text or tokens[-1] in helpers.sampling.stop_ids(model) or len(tokens) == series.new_tokens
 
 # %% [markdown]
 # **What you should see:** the text ends at the first full stop (or at `<turn|>`, or at

@@ -28,3 +28,32 @@ def _run_dir(tmp_path, monkeypatch):
     # results written by a test go to its own folder, never to the user's runs/
     monkeypatch.setenv("HELPERS_RUN_DIR", str(tmp_path / "run"))
     yield
+
+
+@pytest.fixture(scope="session")
+def packed_table_twin(tmp_path_factory):
+    """The twin as a checkpoint that saved its per-layer table packed (``weight_packed``,
+    ``weight_scale``, ``weight_shape``, as its linears) instead of bf16: the path
+    ``QTable.from_checkpoint`` reads. Packed from the twin's own table by ``QTable``, exactly."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from helpers import twin
+    from helpers.qtable import QTable
+
+    source, folder = twin.build_tiny_twin(), tmp_path_factory.mktemp("twin") / "packed-table"
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / "model.safetensors")
+    key = "model.language_model.embed_tokens_per_layer"
+    table = torch.nn.Embedding.from_pretrained(tensors.pop(f"{key}.weight"))
+    table.scalar_embed_scale = 1.0
+    packed, report = QTable.from_embedding(table, exact_only=True)
+    tensors |= {
+        f"{key}.weight_packed": packed.packed,
+        f"{key}.weight_scale": packed.scales,
+        f"{key}.weight_shape": torch.tensor(table.weight.shape),
+    }
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder

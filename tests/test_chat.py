@@ -6,7 +6,7 @@ import torch
 import helpers
 from helpers import chat as c
 from helpers import generate as g
-from helpers import ring
+from helpers import ring, sampling
 
 TURNS = ["Explain why compilation matters on a TPU, in two sentences.", "And on a GPU?"]
 
@@ -55,7 +55,7 @@ def test_turn_two_equals_the_whole_conversation_as_one_prompt_with_no_cache(conv
     known = min(10, len(series.reference))  # the reference is 8 tokens on xla
     assert chat.replies[0][:known] == series.reference[:known]  # turn 1 is the series' prompt: notebook 03's answer
     history = chat.tokens[: len(chat.tokens) - len(chat.replies[1])]
-    config = g.greedy_config(series.model, 10)
+    config = sampling.greedy_config(series.model, 10)
     config.use_cache = False
     with torch.no_grad():
         out = series.model.generate(torch.tensor([history], device=series.ids.device), generation_config=config)

@@ -284,10 +284,10 @@ def _shard(source, folder):
     return hub.Checkpoint(str(folder), None, True, "sharded")
 
 
-def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path):
+def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path, packed_table_twin):
     from helpers import qlinear, qtable
 
-    single = hub.Checkpoint(str(twin.build_packed_table_twin()), None, True, "one file")
+    single = hub.Checkpoint(str(packed_table_twin), None, True, "one file")
     sharded = _shard(pathlib.Path(single.source), tmp_path / "sharded")
     assert [p.name for p in pathlib.Path(single.source).glob("*.safetensors")] == ["model.safetensors"]
     cpu = helpers.get_backend("cpu")

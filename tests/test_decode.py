@@ -6,7 +6,8 @@ import torch
 from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import generate as g
-from helpers import hub
+from helpers import hub, roofline, twin
+from helpers import sampling as s
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,7 @@ def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(se
 
 def test_the_guard_fails_loudly_on_a_recompile(setup):
     backend, _, tokenizer, _, _, decoder, _, _ = setup
-    longer = ck.chat_ids(tokenizer, backend.device, prompt=ck.PROMPT * 3)  # a bigger prefill bucket
+    longer = ck.chat_ids(tokenizer, backend.device, prompt=twin.PROMPT * 3)  # a bigger prefill bucket
     assert decoder.bucket(longer.shape[1]) > 32
     with pytest.raises(Exception, match="[Rr]ecompil"), d.no_recompiles():
         decoder.generate(longer, 2)
@@ -90,7 +91,7 @@ def test_the_decoder_stops_where_generate_does_once_per_readback_and_counts_exac
     backend, model, tokenizer, _, _, decoder, _, _ = setup
     ids = ck.chat_ids(tokenizer, backend.device, prompt="What is the capital of France?")
     expected, _, _ = g.generate(model, tokenizer, ids, backend, 16)  # a short answer, then <turn|>
-    assert len(expected) < 16 and expected[-1] in g.stop_ids(model)
+    assert len(expected) < 16 and expected[-1] in s.stop_ids(model)
     for every in (1, 4, 16):
         chunks = []
         assert decoder.generate(ids, 16, readback_every=every, on_tokens=chunks.append) == expected
@@ -110,7 +111,7 @@ def test_bytes_per_token_counts_weights_once_and_the_cache(setup):
     cache = d.cache_bytes(decoder.cache)
     layers = [layer for layer in decoder.cache.layers if layer.is_initialized]
     assert cache == sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in layers) > 0
-    assert cache < d.bytes_per_token(model, decoder.cache) < weights + cache  # the per-layer table: one row only
+    assert cache < roofline.step_bytes(model, decoder.cache) < weights + cache  # the per-layer table: one row only
 
 
 def test_the_prefill_runs_the_head_on_the_last_real_position_only(setup):

@@ -5,6 +5,7 @@ from conftest import needs_xla
 
 from helpers import checkpoint as ck
 from helpers import generate as g
+from helpers import sampling, series, twin
 
 
 @pytest.fixture(scope="module")
@@ -12,7 +13,7 @@ def setup():
     import helpers
 
     backend = helpers.get_backend()
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    checkpoint, model, tokenizer, ids = series.load_for_series(backend)
     return backend, checkpoint, model, tokenizer, ids
 
 
@@ -27,10 +28,10 @@ def test_generates_exactly_the_asked_number_of_tokens_with_a_step_time_each(setu
 def test_greedy_config_stops_at_the_models_stop_ids_or_explicitly_never(setup):
     _, _, model, tokenizer, _ = setup
     stops = tokenizer.convert_tokens_to_ids(["<eos>", "<turn|>"])
-    assert g.stop_ids(model) == stops  # generation_config.json's list, as the real checkpoint has
-    config = g.greedy_config(model, 7)
+    assert sampling.stop_ids(model) == stops  # generation_config.json's list, as the real checkpoint has
+    config = sampling.greedy_config(model, 7)
     assert config.eos_token_id == stops and config.max_new_tokens == 7 and config.do_sample is False
-    assert g.greedy_config(model, 7, stop=False).eos_token_id == []
+    assert sampling.greedy_config(model, 7, stop=False).eos_token_id == []
     assert model.generation_config.eos_token_id == stops  # left alone
 
 
@@ -45,7 +46,7 @@ def test_generate_stops_at_the_end_of_turn_and_the_exact_count_mode_does_not(set
     assert tokenizer.decode(stopped, skip_special_tokens=True) == "Paris is the capital of France."
     exact, _, _ = g.generate(model, tokenizer, ids, backend, 10, stop=False)
     assert len(exact) == 10 and exact[: len(stopped)] == stopped
-    assert g.until_stop(exact, g.stop_ids(model)) == stopped
+    assert sampling.until_stop(exact, sampling.stop_ids(model)) == stopped
     assert ck.greedy_tokens(model, ids, 10) == stopped
 
 
@@ -61,7 +62,7 @@ def test_reference_tokens_round_trip_and_a_fresh_load_reproduces_them(setup, tmp
     n = ck.generation_length(backend)
     tokens, _, _ = g.generate(model, tokenizer, ids, backend, n)
     g.save_reference(checkpoint, backend, ids, n, tokens, tmp_path)
-    _, fresh, _, _ = g.load_for_series(backend)
+    _, fresh, _, _ = series.load_for_series(backend)
     again, _, _ = g.generate(fresh, tokenizer, ids, backend, n)
     assert again == g.load_reference(checkpoint, backend, ids, n, tmp_path)
 
@@ -94,9 +95,9 @@ def test_defer_and_fuse_compiles_every_step_of_a_first_call_and_none_of_a_second
     import helpers
 
     backend = helpers.get_backend("xla")
-    _, model, tokenizer, _ = g.load_for_series(backend)
+    _, model, tokenizer, _ = series.load_for_series(backend)
     # lengths no other test in this process generated: XLA keeps compiled programs per process
-    ids = ck.chat_ids(tokenizer, backend.device, prompt=ck.PROMPT * 4)
+    ids = ck.chat_ids(tokenizer, backend.device, prompt=twin.PROMPT * 4)
     calls = g.first_and_second_call(model, tokenizer, ids, backend, 4)
     fused = calls["defer_and_fuse"]
     assert all(p > 0 for p in fused["programs_first"]) and sum(fused["programs_second"]) == 0

@@ -8,7 +8,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbed
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, hub, twin
+from helpers import e2b, hub, series, twin
 from helpers import generate as g
 from helpers import qtable as q
 
@@ -18,7 +18,7 @@ def loaded():
     import helpers
 
     backend = helpers.get_backend()
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    checkpoint, model, tokenizer, ids = series.load_for_series(backend)
     return backend, model, tokenizer, ids
 
 
@@ -236,13 +236,13 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
     assert tokens == reference and count.graphs == 2
 
 
-def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows():
+def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows(packed_table_twin):
     import helpers
 
     backend = helpers.get_backend()
-    source, model, _, _ = g.load_for_series(backend)
+    source, model, _, _ = series.load_for_series(backend)
     assert q.QTable.from_checkpoint(source, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
-    packed = hub.Checkpoint(str(twin.build_packed_table_twin()), None, True, "its per-layer table saved packed")
+    packed = hub.Checkpoint(str(packed_table_twin), None, True, "its per-layer table saved packed")
     table = model.model.embed_tokens_per_layer
     module, report = q.QTable.from_checkpoint(packed, "embed_tokens_per_layer", table)
     assert report["from"] == "packed in model.safetensors" and report["bytes after"] == module.nbytes()

@@ -1,9 +1,12 @@
-"""The README's module map matches the package: every module listed once, with the helpers
-modules it really imports (read from the source, lazy imports inside functions included)."""
+"""The README's module map matches the package: every module listed once, in an order where
+each imports only modules above it, with the helpers modules it really imports (read from the
+source); no helpers import inside a function, no cycle among the top-level imports."""
 
 import ast
 import pathlib
 import re
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 MODULES = {p.stem for p in (ROOT / "helpers").glob("*.py")}
@@ -27,17 +30,59 @@ def _module_map() -> dict[str, set[str]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 4 and cells[0].startswith("`"):
             listed = set(re.findall(r"`([a-z_0-9]+)`", cells[3]))
-            rows[cells[0].strip("`")] = (
-                MODULES - {"tour"} - {cells[0].strip("`")} if "all of the above" in cells[3] else listed
-            )
+            rows[cells[0].strip("`")] = listed
     return rows
 
 
-def test_the_module_map_lists_every_module_with_its_imports():
+def test_the_module_map_lists_every_module_with_its_imports_each_from_above():
     rows = _module_map()
     assert set(rows) == MODULES
-    for module, listed in rows.items():
-        if module == "tour":
-            assert _imports(module) <= listed, module
-        else:
-            assert _imports(module) == listed, module
+    above = set()
+    for module, listed in rows.items():  # in the README's order: the layers, top to bottom
+        assert _imports(module) == listed, module
+        assert listed <= above, f"{module} imports {sorted(listed - above)}, listed below it"
+        above.add(module)
+
+
+def _inner_relative_imports(module: str) -> list[int]:
+    tree = ast.parse((ROOT / "helpers" / f"{module}.py").read_text())
+    return [
+        node.lineno
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(fn)
+        if isinstance(node, ast.ImportFrom) and node.level >= 1
+    ]
+
+
+def test_no_helpers_import_inside_a_function_and_no_cycle():
+    inner = {m: lines for m in MODULES if (lines := _inner_relative_imports(m))}
+    assert inner == {}, f"imports of helpers modules inside functions (module: lines): {inner}"
+    graph = {m: _imports(m) for m in MODULES}
+    done, path = set(), []
+
+    def visit(module):  # depth first: a module met again on the current path closes a cycle
+        if module in path:
+            raise AssertionError(f"import cycle: {' -> '.join(path[path.index(module) :] + [module])}")
+        if module in done:
+            return
+        path.append(module)
+        for imported in graph[module]:
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(MODULES):
+        visit(module)
+
+
+def test_the_checks_catch_an_inner_import_and_a_cycle(tmp_path, monkeypatch):
+    (tmp_path / "helpers").mkdir()
+    (tmp_path / "helpers" / "a.py").write_text("from .b import x\n")
+    (tmp_path / "helpers" / "b.py").write_text("def f():\n    from .a import y\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    monkeypatch.setattr(__import__(__name__), "MODULES", {"a", "b"})
+    assert _inner_relative_imports("b") == [2] and _imports("a") == {"b"}
+    (tmp_path / "helpers" / "b.py").write_text("from .a import y\n")
+    with pytest.raises(AssertionError, match="import cycle: a -> b -> a"):
+        test_no_helpers_import_inside_a_function_and_no_cycle()

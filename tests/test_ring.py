@@ -9,7 +9,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, ring, twin
+from helpers import e2b, ring, series, twin
 
 W = twin.TEXT_CONFIG["sliding_window"]
 
@@ -169,7 +169,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     from helpers import generate as g
     from helpers import qtable
 
-    checkpoint, model, tokenizer, ids = g.load_for_series(backend)
+    checkpoint, model, tokenizer, ids = series.load_for_series(backend)
     n = ck.generation_length(backend)
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
     d.strip_compressed_wrappers(model)

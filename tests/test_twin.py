@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, hub, twin
+from helpers import e2b, hub, sampling, twin
 
 
 @pytest.fixture(scope="module")
@@ -141,15 +141,14 @@ def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
 
 
 def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
-    from helpers import generate as g
 
     checkpoint = hub.Checkpoint(str(folder), None, True, "test")
     tok = ck.load_tokenizer(checkpoint)
     model, _ = ck.load(checkpoint, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
     tokens = ck.greedy_tokens(model, ck.chat_ids(tok, "cpu"), twin.ANSWER_TOKENS)
     assert len(tokens) < twin.ANSWER_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
-    assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[ck.PROMPT]
-    assert g.until_stop(tokens, g.stop_ids(model)) == tokens
+    assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[twin.PROMPT]
+    assert sampling.until_stop(tokens, sampling.stop_ids(model)) == tokens
     # thinking on: Gemma 4's template opens a system turn with <|think|>, the reply a thinking channel
     question, answer = twin.THINKING_CHATS[0]
     text = tok.apply_chat_template(

@@ -1,0 +1,262 @@
+"""The series' bookkeeping, above the lessons: each step's name with the source's figure beside
+it, every row of the results table (the same from a notebook and from the tour, built by one
+function), the tour's steps, and notebook 07's variant measuring. The lesson modules below hold
+the mechanisms; this module calls them and writes down what they measured."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from . import checkpoint as ck
+from . import modes, roofline, sources
+from .backend import Backend
+from .bench import Results, time_fn
+from .decode import Decoder, device_bytes, timed_generate
+from .e2b import kv_cache_bytes
+from .fused import fuse_projections
+from .generate import measure, save_reference
+from .hub import choose_checkpoint
+from .qlinear import keep_linears_compressed
+from .qtable import keep_embed_in_4bit
+from .ring import RingDecoder
+from .series import Series, load_for_series, prepare
+
+MODES = "01 modes"
+LOADING = "02 loading"
+BASELINE = "03 baseline"
+COMPILED = "04 compiled decode"
+TABLE = "05 4-bit table"
+RING = "06 ring cache"
+PAST = "07 past the source"
+KS = ((1, 2, 4), (1, 2))  # notebook 07's K, elsewhere and on xla: each K is a compile, minutes for large K on a CPU
+
+
+def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) -> dict:
+    """The timing columns of every timed row: decode tok/s (the median of ``rates``, one per
+    timed run), their spread (fastest over slowest: a busy machine shows here), and the
+    roofline at this device's read bandwidth (``roofline.read_bandwidth``)."""
+    tok_s = statistics.median(rates)
+    bandwidth, _ = roofline.read_bandwidth(backend)
+    return {
+        "decode_tok_s": tok_s,
+        "tok_s_spread": max(rates) / min(rates),
+        **roofline.columns(bytes_per_token, tok_s, bandwidth),
+    }
+
+
+# --- 01 ----------------------------------------------------------------------------------------
+def modes_step(backend: Backend, results: Results, **options) -> list[dict]:
+    """Compare the modes and record one results row per mode, the source's figure beside
+    ours on the compile row."""
+    rows = modes.compare_modes(backend, **options)
+    for row in rows:
+        results.add(
+            MODES,
+            row["mode"],
+            backend=backend.name,
+            ms=row["median_ms"],
+            speedup_vs_eager=row["speedup_vs_eager"],
+            source_speedup=sources.COMPILE_SPEEDUP if row["mode"] == "compile" else None,
+        )
+    return rows
+
+
+# --- 02 ----------------------------------------------------------------------------------------
+def record_loading(results: Results, backend: Backend, label: str, model, load_s: float, **extra) -> dict:
+    """The model's bytes by kind, as one row of the results table."""
+    kinds = {}
+    for row in ck.memory_report(model):
+        kinds[row["kind"]] = kinds.get(row["kind"], 0) + row["bytes"]
+    return results.add(
+        LOADING,
+        label,
+        backend=backend.name,
+        load_s=load_s,
+        device_bytes=sum(kinds.values()),
+        bytes_by_kind=kinds,
+        **extra,
+    )
+
+
+def loading_step(backend: Backend, results: Results) -> list[dict]:
+    """The tour's loading step: both load paths, bytes by kind after a first forward, and
+    whether each gives the dequantized reference model's greedy tokens (the dequantized
+    path must; the default path must wherever unpacking on the device is exact)."""
+    checkpoint = choose_checkpoint(backend)
+    print(checkpoint)
+    ids, new_tokens = ck.chat_ids(ck.load_tokenizer(checkpoint), backend.device), ck.generation_length(backend)
+    expected = ck.check_tokens(backend, checkpoint, ids, new_tokens)
+    exact_unpack = ck.unpack_is_exact(backend.device)
+    rows = []
+    for label, dequantize in (("compressed (default)", False), ("dequantize=True", True)):
+        model, load_s = ck.load(checkpoint, backend, dequantize=dequantize)
+        same = ck.greedy_tokens(model, ids, new_tokens) == expected
+        if same != (dequantize or exact_unpack):
+            raise AssertionError(f"{label}: same tokens as the dequantized reference: {same}")
+        rows.append(record_loading(results, backend, label, model, load_s, same_tokens=same))
+        ck.unload(model, backend)
+    return rows
+
+
+# --- 03 ----------------------------------------------------------------------------------------
+def record_baseline(results: Results, backend: Backend, measured: dict, model, context: int) -> dict:
+    """Notebook 03's row (``measured``: what ``generate.measure`` returns), with the roofline:
+    the weights as they are on the device, and HF's dynamic cache at ``context`` positions (its
+    sliding layers keep a window)."""
+    dtype_bytes = next(model.parameters()).element_size()
+    step = roofline.step_bytes(model) + kv_cache_bytes(model.config, context, ring=True, dtype_bytes=dtype_bytes)
+    return results.add(
+        BASELINE,
+        "HF generate",
+        backend=backend.name,
+        prefill_s=measured["prefill_s"],
+        source_tok_s=sources.HF_GENERATE_TOK_S,
+        **timed_columns(backend, measured["rates"], step),
+    )
+
+
+def baseline_step(backend: Backend, results: Results) -> dict:
+    """The tour's baseline step: decode tok/s and prefill time of HF generate, the reference
+    tokens saved for notebooks 04-06."""
+    checkpoint, model, tokenizer, ids = load_for_series(backend)
+    print(checkpoint)
+    new_tokens = ck.generation_length(backend)
+    measured = measure(model, tokenizer, ids, backend, new_tokens)
+    save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"], results.path.parent)
+    return record_baseline(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
+
+
+# --- 04-06 -------------------------------------------------------------------------------------
+def record_compiled(
+    results: Results,
+    step: str,
+    label: str,
+    decoder: Decoder,
+    series: Series,
+    tokens: list[int],
+    compiles: int,
+    source_tok_s: float,
+    runs: list[float] | None = None,
+) -> dict:
+    """A compiled step's row, the same from its notebook and the tour: decode tok/s (3 timed
+    runs, or the given ``runs``) and their spread, same tokens as notebook 03, compilations, the
+    bytes of weights and cache on the device from their tensors, the 4-bit table's bytes if it
+    has one, and the roofline columns."""
+    if runs is None:
+        runs = timed_generate(decoder, series.ids, series.new_tokens, readback_every=16)["rates"]
+    return results.add(
+        step,
+        label,
+        backend=decoder.backend.name,
+        same_tokens=tokens == series.reference,
+        compiles=compiles,
+        device_bytes=device_bytes(decoder.model, decoder.cache),
+        table_bytes=series.table["bytes after"] if series.table else None,
+        source_tok_s=source_tok_s,
+        **timed_columns(decoder.backend, runs, roofline.step_bytes(decoder.model, decoder.cache)),
+    )
+
+
+def compiled_run(
+    backend: Backend, results: Results, step: str, label: str, source_tok_s: float, after: int, decoder_class=Decoder
+) -> dict:
+    """A compiled step of the series end to end for the tour: the model as notebook ``after``
+    leaves it (``series.prepare``), a decoder of ``decoder_class``, generate, time; its row."""
+    series = prepare(backend, after, results.path.parent)
+    torch._dynamo.reset()  # count what this step compiles, not a graph an earlier run left cached
+    decoder = decoder_class(series.model, backend, max_len=256)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(series.ids, series.new_tokens)
+    return record_compiled(results, step, label, decoder, series, tokens, count.graphs, source_tok_s)
+
+
+def compiled_step(backend: Backend, results: Results) -> dict:
+    return compiled_run(backend, results, COMPILED, "compiled step", sources.COMPILED_STEP_TOK_S, after=4)
+
+
+def table_step(backend: Backend, results: Results) -> dict:
+    return compiled_run(backend, results, TABLE, "4-bit table", sources.TABLE_4BIT_TOK_S, after=5)
+
+
+def ring_step(backend: Backend, results: Results) -> dict:
+    """Notebook 05's model (4-bit table) on the ring cache."""
+    return compiled_run(backend, results, RING, "ring cache", sources.RING_TOK_S, after=5, decoder_class=RingDecoder)
+
+
+# --- 07 ----------------------------------------------------------------------------------------
+def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = 256) -> list[dict]:
+    """Notebook 07's variants on notebook 05's model, each compiled anew and timed. It changes
+    ``series.model`` in place, variant after variant (the model ends as the last one), and drops
+    ``series.table``'s report, which no longer describes it. K tokens per compiled call for each
+    of ``ks``; on a CPU, K = 1 with the one-row matmuls as loops inductor writes
+    (``Backend.matvec_loop_options``), kept for the variants after it; then, at K = 1 (each is
+    beside a K = 1 row: unrolled K times, a step that dequantizes every weight compiles for
+    minutes on a CPU), the linears as int8 codes, as packed int4, the main table and tied head in
+    4-bit too, and then q/k/v and gate/up fused into one matmul each. A row each: same tokens as
+    notebook 03, graphs compiled, seconds of the first call (its compilation), peak device memory
+    where the backend counts it, decode tok/s (median of 3) and spread, weights on the device,
+    and the roofline columns."""
+    model, rows = series.model, []
+    series.table = None
+    loops = backend.matvec_loop_options()
+
+    def run(variant: str, k: int, options=None) -> dict:
+        torch._dynamo.reset()  # count this variant's compilations only
+        backend.reset_peak_memory()
+        decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
+        with backend.compile_counter() as count:
+            first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
+        timed = timed_generate(decoder, series.ids, series.new_tokens, readback_every=max(16, k))
+        memory = backend.memory()
+        row = {
+            "variant": variant,
+            "K": k,
+            "same_tokens": first.last == series.reference,
+            "compiles": count.graphs,
+            "first_call_s": first.median,
+            "peak_bytes": memory and memory["peak"],
+            "weights_bytes": sum(r["bytes"] for r in ck.memory_report(model)),
+            **timed_columns(backend, timed["rates"], roofline.step_bytes(model, decoder.cache)),
+        }
+        rows.append(row)
+        return row
+
+    for k in ks:
+        run(f"4-bit table, K={k}", k)
+    tail = "K=1" if loops is None else "K=1, matvec loops"
+    if loops is not None:
+        run(f"4-bit table, {tail}", 1, loops)
+    keep_linears_compressed(model, series.checkpoint, "int8")
+    run(f"int8 linears, {tail}", 1, loops)
+    keep_linears_compressed(model, series.checkpoint, "int4")
+    run(f"int4 linears, {tail}", 1, loops)
+    keep_embed_in_4bit(model)
+    run(f"int4 linears + 4-bit head, {tail}", 1, loops)
+    fuse_projections(model)
+    run(f"int4 linears + 4-bit head + fused q/k/v, gate/up, {tail}", 1, loops)
+    return rows
+
+
+def record_variants(results: Results, backend: Backend, rows: list[dict]) -> list[dict]:
+    """Each variant's row of the results table, the same from notebook 07 and the tour."""
+    keys = ("decode_tok_s", "tok_s_spread", "same_tokens", "compiles", "bytes_per_token", "GB_per_s", "pct_of_bw")
+    return [results.add(PAST, r["variant"], backend=backend.name, **{k: r[k] for k in keys}) for r in rows]
+
+
+def past_step(backend: Backend, results: Results) -> list[dict]:
+    """The tour's step 07: notebook 07's variants, a results row each."""
+    series = prepare(backend, after=5, folder=results.path.parent)
+    return record_variants(results, backend, measure_variants_in_place(backend, series, ks=KS[backend.name == "xla"]))
+
+
+TOUR = [
+    ("01 execution modes", modes_step),
+    ("02 loading", loading_step),
+    ("03 baseline generate", baseline_step),
+    ("04 compiled decode", compiled_step),
+    ("05 4-bit table", table_step),
+    ("06 ring cache", ring_step),
+    ("07 past the source", past_step),
+]
