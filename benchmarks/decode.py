@@ -2,7 +2,7 @@
 weights put on a 4-bit grid as QAT leaves them), every loop side by side in one run:
 (a) HF generate as it comes, (b) HF's own recipe (static cache, forward compiled), and the
 course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per call, (e)
-the same with its one-row matmuls as loops inductor writes (``Backend.matvec_loop_options``),
+the same with its one-row matmuls as loops inductor writes (``Backend.use_matvec_loops``),
 then with those loops (f) int8 and (g) int4 linears kept compressed and (h) q/k/v and gate/up
 fused into one matmul each (notebook 07); and (b2), HF's recipe given the same loops, to show
 what they buy alone. The timed runs are interleaved (every loop once per round), so a busy
@@ -69,7 +69,7 @@ def fused_copy():
     return copied
 
 
-loops_options = backend.matvec_loop_options() or {}
+loops_options = backend.use_matvec_loops() or {}
 
 
 def hf_static(forward):

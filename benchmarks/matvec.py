@@ -1,5 +1,5 @@
 """One decode matmul, two kernels: the BLAS matrix-vector product (MKL on a CPU) against the
-loop inductor writes for it with its decompose_mm_pass (``Backend.matvec_loop_options``), for
+loop inductor writes for it with its decompose_mm_pass (``Backend.use_matvec_loops``), for
 every weight shape of the benchmarks' CPU model, float32 and as int8 codes with bf16 group
 scales dequantized inside the compiled call. Each shape is timed over enough copies of its
 weight to overflow the caches, both kernels interleaved round by round.
@@ -28,7 +28,7 @@ args = parser.parse_args()
 backend = helpers.get_backend("cpu")
 model = cpu_model()
 shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})  # the head too
-loops = backend.matvec_loop_options() or {}
+loops = backend.use_matvec_loops() or {}
 
 
 def dense(x, weight):

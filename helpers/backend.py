@@ -237,14 +237,15 @@ class Backend:
         if self.name == "tpu":
             torch.set_float32_matmul_precision("highest")
 
-    def matvec_loop_options(self) -> dict | None:
+    def use_matvec_loops(self) -> dict | None:
         """``compile`` options that make a decode step's one-row matmuls loops inductor writes
         (multiply and sum) instead of calls to the BLAS matrix-vector product: inductor's own
         ``decompose_mm_pass``. A compressed weight is dequantized in the same kernel, into a
         buffer of one weight that stays in the CPU's cache. CPU only (None elsewhere): the pass
         decomposes one-row matmuls on the CPU alone, where MKL reads a decode step's short
         weight rows at well under half the bandwidth of a plain read, and these loops at two to
-        three times MKL's rate (``benchmarks/matvec.py``)."""
+        three times MKL's rate (``benchmarks/matvec.py``). It also raises the pass's size limit,
+        a setting of inductor's module for the whole process (the pass has no per-compile knob)."""
         if self.name != "cpu":
             return None
         from torch._inductor.fx_passes import decompose_mem_bound_mm

@@ -13,8 +13,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from .backend import Backend
 from .bench import time_fn
 from .checkpoint import compression_report, memory_report
-from .sampling import Sampler, first_stop, stop_strings_criteria
-from .sampling import stop_ids as model_stop_ids  # generate's argument is stop_ids
+from .sampling import Sampler, Stops
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -186,40 +185,37 @@ class Decoder:
         set_length(self.cache, length)
         return token, torch.tensor([[length]], device=ids.device)
 
-    @torch.no_grad()
-    def generate(
-        self,
-        ids: torch.Tensor,
-        new_tokens: int,
-        readback_every: int = 16,
-        on_tokens=None,
-        stop_ids=None,
-        seed: int = 0,
-        stop_strings=None,
-        tokenizer=None,
-        streamer=None,
-        start: int = 0,
-    ) -> list[int]:
-        """At most ``new_tokens`` tokens, each chosen on the device (greedy, or sampled with
-        ``seed``) and fed straight back; read to the host every ``readback_every`` tokens (1:
-        every token) and at the end. Stops after the first of ``stop_ids`` (default: the model's,
-        as ``generate``) or at the first of ``stop_strings`` (with ``tokenizer``, transformers'
-        ``StopStringCriteria``), checked once per readback, so without a host round trip per
-        token; ``stop_ids=()``: exactly ``new_tokens`` (timing). ``on_tokens(chunk)`` sees each
-        chunk as it is read; a transformers ``streamer`` gets the prompt, then each chunk.
-        ``start``: the prompt goes on after that many positions in the cache (see ``prefill``)."""
+    def call(self, token, position):
+        """One compiled call: ``decode_step`` (one token), or with ``tokens_per_call`` K > 1
+        ``decode_steps`` (notebook 07: K tokens in one program). Returns the tokens it made [1, K]
+        and the last token and position, all still on the device."""
+        if self.tokens_per_call == 1:
+            token, position = self.decode_step(token, position)
+            return token, token, position
+        return self.decode_steps(token, position)
+
+    def check_room(self, length: int, new_tokens: int, start: int = 0) -> None:
+        """Refuse, with the numbers, a run the cache cannot hold (the last call makes K tokens)."""
         k = self.tokens_per_call
-        if start + ids.shape[1] + new_tokens + k - 1 > self.max_len:
+        if start + length + new_tokens + k - 1 > self.max_len:
             extra = f" (+ {k - 1}: the last call makes {k})" if k > 1 else ""
             held = f"{start} positions held + " if start else ""
             raise ValueError(
-                f"{held}prompt {ids.shape[1]} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
+                f"{held}prompt {length} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
             )
-        stops = set(model_stop_ids(self.model) if stop_ids is None else stop_ids)
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need the tokenizer (tokenizer=...), as in transformers' generate")
-        criteria = stop_strings_criteria(tokenizer, stop_strings)
-        history = ids[0].tolist()
+
+    @torch.no_grad()
+    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, **later):
+        """At most ``new_tokens`` tokens after ``ids`` [1, L], each chosen on the device and fed
+        straight back; read to the host every ``readback_every`` tokens (1: every token) and at
+        the end, where ``Stops`` checks them: after the first of ``stop_ids`` (default: the
+        model's, as ``generate``; ``()``: exactly ``new_tokens``, for timing). A transformers
+        ``streamer`` gets the prompt, then each chunk. What later notebooks add, in ``later``:
+        ``start`` (06, 08: the prompt goes on after that many positions in the cache), ``seed``
+        (08: the sampler's), ``stop_strings`` with ``tokenizer`` (08)."""
+        start, seed = later.pop("start", 0), later.pop("seed", 0)
+        self.check_room(ids.shape[1], new_tokens, start)
+        stops = Stops(self.model, ids[0].tolist(), stop_ids, **later)
         if streamer is not None:
             streamer.put(ids.cpu())
         self.seed.fill_(seed)
@@ -227,27 +223,19 @@ class Decoder:
         tokens, pending, made = [], [token], 1
         while True:
             last = made >= new_tokens
-            if last or made - len(tokens) >= readback_every:
+            if last or made - len(tokens) >= readback_every:  # one host round trip per chunk
                 self.backend.flush()
-                chunk = torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)]
-                keep = first_stop(history + tokens, chunk, stops, criteria)
-                stopped, chunk, pending = keep is not None, chunk[:keep], []
-                if on_tokens is not None:
-                    on_tokens(chunk)
+                chunk, stopped = stops.cut(torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)])
+                tokens, pending = tokens + chunk, []
                 if streamer is not None:
                     streamer.put(torch.tensor(chunk))
-                tokens += chunk
                 if last or stopped:
                     if streamer is not None:
                         streamer.end()
                     return tokens
-            if k == 1:
-                token, position = self.decode_step(token, position)
-                pending.append(token)
-            else:  # K tokens per call, read back with the rest
-                block, token, position = self.decode_steps(token, position)
-                pending.append(block)
-            made += k
+            block, token, position = self.call(token, position)
+            pending.append(block)
+            made += self.tokens_per_call
 
 
 @contextlib.contextmanager

@@ -140,3 +140,24 @@ def greedy_config(model, new_tokens: int, stop: bool = True):
         eos_token_id=stop_ids(model) if stop else [],
     )
     return config
+
+
+class Stops:
+    """Where a run stops, checked on each chunk of tokens read back to the host: after the first
+    of ``ids`` (default: ``model``'s stop ids, as ``generate``; ``()``: never), or at the first of
+    ``stop_strings`` (transformers' ``StopStringCriteria``, which needs the ``tokenizer``), with
+    the tokens already read (``history``, the prompt's first) as context."""
+
+    def __init__(self, model, history: list[int], ids=None, stop_strings=None, tokenizer=None):
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer (tokenizer=...), as in transformers' generate")
+        self.ids = set(stop_ids(model) if ids is None else ids)
+        self.criteria = stop_strings_criteria(tokenizer, stop_strings)
+        self.history = list(history)
+
+    def cut(self, chunk: list[int]) -> tuple[list[int], bool]:
+        """The chunk up to and including its first stop, and whether it stopped there."""
+        keep = first_stop(self.history, chunk, self.ids, self.criteria)
+        chunk = chunk[:keep]
+        self.history += chunk
+        return chunk, keep is not None

@@ -191,7 +191,7 @@ def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8),
     ``series.model`` in place, variant after variant (the model ends as the last one), and drops
     ``series.table``'s report, which no longer describes it. K tokens per compiled call for each
     of ``ks``; on a CPU, K = 1 with the one-row matmuls as loops inductor writes
-    (``Backend.matvec_loop_options``), kept for the variants after it; then, at K = 1 (each is
+    (``Backend.use_matvec_loops``), kept for the variants after it; then, at K = 1 (each is
     beside a K = 1 row: unrolled K times, a step that dequantizes every weight compiles for
     minutes on a CPU), the linears as int8 codes, as packed int4, the main table and tied head in
     4-bit too, and then q/k/v and gate/up fused into one matmul each. A row each: same tokens as
@@ -200,7 +200,7 @@ def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8),
     and the roofline columns."""
     model, rows = series.model, []
     series.table = None
-    loops = backend.matvec_loop_options()
+    loops = backend.use_matvec_loops()
 
     def run(variant: str, k: int, options=None) -> dict:
         torch._dynamo.reset()  # count this variant's compilations only

@@ -113,13 +113,16 @@ assert report["modules with a wrapped forward"] == 0 and report["modules with fo
 
 # %% [markdown]
 # ## The step, and the loop around it
-# The whole lesson in a few lines: one decode step (the last token and its position in, the
-# next greedy token and position out, the cache written in place, every tensor on the device),
-# compiled once as `Decoder.decode_step`; the loop feeds each token straight back, reads the
-# tokens to the host once per chunk, and stops there after a stop id.
+# The whole lesson in a few lines. `Decoder.step` is what is compiled, once, as
+# `Decoder.decode_step`: the last token and its position in, the next token and position out,
+# the cache written in place, every tensor on the device. Its `sampler` takes the argmax here
+# (notebook 08 gives it a temperature; the seed is an input, so it is there from the start).
+# `Decoder.generate` is the loop that runs it: it feeds each token straight back through
+# `call` (one compiled call; notebook 07 makes it K tokens), reads the tokens to the host once
+# per chunk, and stops there after a stop id (`Stops`; notebook 08 adds stop strings).
 
 # %%
-helpers.show(helpers.decode.greedy_step, helpers.decode.Decoder.generate)
+helpers.show(helpers.decode.Decoder.step, helpers.decode.Decoder.generate)
 
 # %% [markdown]
 # ## One step, compiled once

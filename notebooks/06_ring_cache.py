@@ -119,10 +119,11 @@ fig = helpers.bench.stacked_bars(
 # A sliding layer's update: attention gets the ring as it was followed by the chunk's own keys
 # (all that a query of the chunk may see), then the chunk's real positions are written into
 # slot `position % window`; padding never is. The masks come from the absolute position each
-# slot holds.
+# slot holds. The decoder's prefill goes through the prompt in fixed chunks, from any `start`
+# position the cache already holds (the chat of notebook 08 goes on from there).
 
 # %%
-helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks)
+helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks, helpers.ring.RingDecoder.prefill)
 
 # %% [markdown]
 # ## The cache on this model

@@ -154,8 +154,9 @@ print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 
 # %%
 helpers.show(
+    helpers.decode.Decoder.call,
     helpers.decode.Decoder.steps,
-    helpers.backend.Backend.matvec_loop_options,
+    helpers.backend.Backend.use_matvec_loops,
     helpers.qlinear.QLinear.weight.fget,
     helpers.qlinear.QLinear.forward,
     helpers.fused.Fused.part,

@@ -143,6 +143,9 @@ assert counts[probs == 0].sum() == 0  # what top-k and top-p remove is never dra
 # same widget as notebook 03, with live tok/s.
 
 # %%
+helpers.show(helpers.sampling.Stops)
+
+# %%
 widget = helpers.generate.text_widget()
 streamer = helpers.generate.StepStreamer(tokenizer, backend, widget)
 stop = "."

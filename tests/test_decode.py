@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from helpers import checkpoint as ck
 from helpers import decode as d
@@ -78,12 +79,26 @@ def test_the_guard_fails_loudly_on_a_recompile(setup):
         decoder.generate(longer, 2)
 
 
+class Chunks(BaseStreamer):
+    """A transformers streamer that keeps what it is given: the prompt, then each chunk."""
+
+    def __init__(self):
+        self.seen = []
+
+    def put(self, value):
+        self.seen.append(value.flatten().tolist())
+
+    def end(self):
+        pass
+
+
 @pytest.mark.parametrize("every", [1, 3, 16])
 def test_chunked_readback_gives_the_same_tokens_in_chunks(setup, every):
     _, _, _, ids, reference, decoder, _, _ = setup
-    chunks = []
-    tokens = decoder.generate(ids, len(reference), readback_every=every, on_tokens=chunks.append)
-    assert tokens == reference
+    streamer = Chunks()
+    tokens = decoder.generate(ids, len(reference), readback_every=every, streamer=streamer)
+    prompt, *chunks = streamer.seen
+    assert tokens == reference and prompt == ids[0].tolist()
     assert [len(c) for c in chunks[:-1]] == [every] * (len(chunks) - 1) and sum(map(len, chunks)) == len(reference)
 
 
@@ -93,9 +108,9 @@ def test_the_decoder_stops_where_generate_does_once_per_readback_and_counts_exac
     expected, _, _ = g.generate(model, tokenizer, ids, backend, 16)  # a short answer, then <turn|>
     assert len(expected) < 16 and expected[-1] in s.stop_ids(model)
     for every in (1, 4, 16):
-        chunks = []
-        assert decoder.generate(ids, 16, readback_every=every, on_tokens=chunks.append) == expected
-        assert sum(map(len, chunks)) == len(expected)  # nothing after the stop reaches the caller
+        streamer = Chunks()
+        assert decoder.generate(ids, 16, readback_every=every, streamer=streamer) == expected
+        assert sum(map(len, streamer.seen[1:])) == len(expected)  # nothing after the stop reaches the caller
     assert len(decoder.generate(ids, 16, stop_ids=())) == 16
 
 

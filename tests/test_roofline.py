@@ -67,13 +67,13 @@ def test_matvec_loops_make_every_one_row_matmul_a_loop_with_the_same_tokens_and_
 
     backend = helpers.get_backend()
     if backend.name != "cpu":
-        assert backend.matvec_loop_options() is None
+        assert backend.use_matvec_loops() is None
         pytest.skip("inductor's decompose_mm_pass decomposes one-row matmuls on the CPU only")
     model = copy.deepcopy(series.model)
     qlinear.keep_linears_compressed(model, series.checkpoint, "int8")  # dequantized inside the loops
     torch._dynamo.reset()
     before = counters["inductor"]["decompose_mm"]
-    decoder = d.Decoder(model, backend, max_len=64, **backend.matvec_loop_options())
+    decoder = d.Decoder(model, backend, max_len=64, **backend.use_matvec_loops())
     # no compiled-graph cache: a cache hit skips the passes, and the count of what they did
     with torch._inductor.config.patch(fx_graph_cache=False), backend.compile_counter() as count:
         tokens = decoder.generate(series.ids, series.new_tokens)
@@ -89,7 +89,7 @@ def test_matvec_loops_round_a_dequantized_weight_to_bf16_as_eager_code_does():
     scales = torch.rand(256, 512 // 32).bfloat16()  # like the checkpoint's: codes x scales needs rounding
     linear = qlinear.QLinear(codes, scales, torch.float32, "int8")
     x = torch.randn(1, 1, 512)
-    compiled = backend.compile(linear, **backend.matvec_loop_options())(x)
+    compiled = backend.compile(linear, **backend.use_matvec_loops())(x)
     torch.testing.assert_close(compiled, linear(x), rtol=1e-5, atol=1e-4)  # unrounded: ~0.3 off
 
 
