@@ -5,6 +5,7 @@ the same code."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -329,6 +330,74 @@ def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, ne
     tokens = greedy_tokens(reference, ids, new_tokens)
     unload(reference, backend)
     return tokens
+
+
+# --- "the same tokens", also where two programs round bf16 differently -----------------------
+NEAR_TIE_ULPS = 4  # two programs rounding bf16 differently move a logit by a few units in its last place
+
+
+@dataclasses.dataclass
+class Verdict:
+    """Whether a run's tokens are the reference's, and how that was decided.
+
+    ``exact``: compared as lists (exact arithmetic: the float32 twin). Otherwise teacher-forced
+    against a reference model: each token must be its argmax there, or within ``tolerance_ulps``
+    units in the last place (bf16, at the top logit) of it, a near tie. ``first_divergence``:
+    the first position where the lists part (None if they do not); ``gap``: the reference's
+    logit gap there (teacher-forced); ``failed_at``: the first token that is no near tie;
+    ``near_ties``: (position, gap) of every near tie met."""
+
+    same: bool
+    exact: bool
+    first_divergence: int | None = None
+    gap: float | None = None
+    failed_at: int | None = None
+    near_ties: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    tolerance_ulps: int = NEAR_TIE_ULPS
+
+    def __bool__(self) -> bool:
+        return self.same
+
+    def __str__(self) -> str:
+        how = "equal lists" if self.exact else f"teacher-forced, near ties within {self.tolerance_ulps} bf16 ulps"
+        parts = "never part" if self.first_divergence is None else f"first part at token {self.first_divergence}"
+        if self.gap is not None and self.first_divergence is not None:
+            parts += f" (reference logit gap there {self.gap:.3g})"
+        ties = f", {len(self.near_ties)} near tie(s) at {[p for p, _ in self.near_ties]}" if self.near_ties else ""
+        failed = f", token {self.failed_at} is no near tie" if self.failed_at is not None else ""
+        return f"same tokens: {self.same} ({how}; {parts}{ties}{failed})"
+
+
+def teacher_forced_gaps(model, ids: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of the prompt ``ids`` [1, L] and ``tokens`` through ``model``: at each
+    generated position, the top logit less the logit of the token there (0: its argmax), and
+    one bf16 unit in the last place at the top logit's magnitude."""
+    device = next(model.parameters()).device
+    full = torch.cat([ids.cpu(), torch.tensor([tokens])], dim=1).to(device)
+    with torch.no_grad():
+        logits = model(full).logits[0, ids.shape[1] - 1 : ids.shape[1] - 1 + len(tokens)].float().cpu()
+    top = logits.max(-1).values
+    gaps = top - logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+    ulps = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(2**-126))) - 7)  # bf16 keeps 8 significant bits
+    return gaps, ulps
+
+
+def compare_tokens(
+    tokens: list[int], reference: list[int], model=None, ids=None, tolerance_ulps: int = NEAR_TIE_ULPS
+) -> Verdict:
+    """The one comparison of the series. Without ``model``: the lists must be equal (exact
+    arithmetic). With the reference ``model`` and the prompt ``ids``: teacher-forced, each of
+    ``tokens`` the model's argmax after the ones before it, or a near tie."""
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    if parted is None and len(tokens) != len(reference):
+        parted = min(len(tokens), len(reference))
+    if model is None:
+        return Verdict(same=parted is None, exact=True, first_divergence=parted, tolerance_ulps=tolerance_ulps)
+    gaps, ulps = teacher_forced_gaps(model, ids, tokens)
+    ties = [(i, float(g)) for i, (g, u) in enumerate(zip(gaps, ulps)) if 0 < g <= tolerance_ulps * u]
+    failed = next((i for i, (g, u) in enumerate(zip(gaps, ulps)) if g > tolerance_ulps * u), None)
+    gap = float(gaps[parted]) if parted is not None and parted < len(tokens) else None
+    return Verdict(failed is None, False, parted, gap, failed, ties, tolerance_ulps)
 
 
 def unpack_is_exact(device) -> bool:

@@ -25,6 +25,18 @@ class Series:
     new_tokens: int  # the series' generation length on this backend
     reference: list[int]  # notebook 03's tokens (HF generate), up to and including the stop
     table: dict | None = None  # notebook 05's report, once the per-layer table is in 4-bit
+    _reference_model: torch.nn.Module | None = dataclasses.field(default=None, repr=False)
+
+    def same_tokens(self, tokens: list[int]) -> ck.Verdict:
+        """Whether ``tokens`` are notebook 03's: equal lists where the arithmetic is exact (the
+        float32 twin); in bf16, teacher-forced against the checkpoint's reference model (built
+        once, on the host, dequantized independently of the series' loading path), where two
+        programs may round a near tie differently (``checkpoint.compare_tokens``)."""
+        if ck.series_dtype(self.checkpoint) == torch.float32:
+            return ck.compare_tokens(tokens, self.reference)
+        if self._reference_model is None:
+            self._reference_model = ck.reference_model(self.checkpoint)
+        return ck.compare_tokens(tokens, self.reference, self._reference_model, self.ids)
 
 
 def load_for_series(backend: Backend):

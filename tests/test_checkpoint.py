@@ -8,7 +8,7 @@ import torch
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, hub, packed, twin
+from helpers import e2b, hub, packed, sampling, twin
 
 
 @pytest.fixture(scope="module")
@@ -324,3 +324,58 @@ def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_
     reference, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
     assert ck.greedy_tokens(model, ids, 8) == ck.greedy_tokens(reference, ids, 8)
     assert {r["kind"] for r in ck.memory_report(model)} == {"fp32", "buffers"}
+
+
+def _greedy(model, ids, n):
+    """Exactly ``n`` greedy tokens (no stop: the comparison is of every position)."""
+    with torch.no_grad():
+        out = model.generate(ids, generation_config=sampling.greedy_config(model, n, stop=False))
+    return out.sequences[0, ids.shape[1] :].tolist()
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny):
+    """The reference model of the twin, a prompt it never learned, and 16 greedy tokens."""
+    model = ck.reference_model(tiny, torch.float32)
+    ids = ck.encode(ck.load_tokenizer(tiny), "the ring cache and the table keep", "cpu")
+    return model, ids, _greedy(model, ids, 16)
+
+
+def _greedy_after(model, ids, prefix, n):
+    """``prefix`` then ``model``'s greedy continuation, ``n`` tokens in all."""
+    return prefix + _greedy(model, torch.cat([ids, torch.tensor([prefix])], dim=1), n - len(prefix))
+
+
+def test_a_pair_that_parts_at_a_near_tie_is_the_same_and_names_the_tie(teacher):
+    model, ids, reference = teacher
+    gaps, ulps = ck.teacher_forced_gaps(model, ids, reference)
+    assert gaps.max() == 0  # the reference's own tokens are its argmaxes
+    with torch.no_grad():
+        logits = model(torch.cat([ids, torch.tensor([reference])], dim=1)).logits[0, ids.shape[1] - 1 :].float()
+    top2 = logits.topk(2, dim=-1)
+    p = int((top2.values[:-1, 0] - top2.values[:-1, 1]).argmin())  # the closest call among the tokens
+    gap = float(top2.values[p, 0] - top2.values[p, 1])
+    other = _greedy_after(model, ids, reference[:p] + [int(top2.indices[p, 1])], len(reference))
+    tolerance = int(gap / float(ulps[p])) + 1  # the closest call as a stated tolerance, in bf16 ulps
+    verdict = ck.compare_tokens(other, reference, model, ids, tolerance_ulps=tolerance)
+    assert verdict and verdict.first_divergence == p and verdict.near_ties[0][0] == p
+    assert verdict.gap == pytest.approx(gap, rel=1e-4) and f"near tie(s) at [{p}" in str(verdict)
+    strict = ck.compare_tokens(other, reference, model, ids, tolerance_ulps=0)
+    assert not strict and strict.failed_at == p  # with no tolerance, the same pair is a fault
+    assert not ck.compare_tokens(other, reference)  # and as lists, where arithmetic is exact
+
+
+def test_a_real_fault_fails_even_when_it_parts_late(teacher):
+    import copy
+
+    model, ids, reference = teacher
+    faulty = copy.deepcopy(model)
+    late = len(reference) - 4
+    with torch.no_grad():  # a wrong row of the per-layer table: the one of the token fed after `late`
+        faulty.model.embed_tokens_per_layer.weight[reference[late]] *= -3
+    tokens = _greedy(faulty, ids, len(reference))
+    parted = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
+    assert parted > late  # it parts late: every token before is the reference's
+    verdict = ck.compare_tokens(tokens, reference, model, ids)
+    assert not verdict and verdict.failed_at == parted and verdict.first_divergence == parted
+    assert verdict.gap > ck.NEAR_TIE_ULPS * 2**-7 * 30 and "no near tie" in str(verdict)
