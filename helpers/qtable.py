@@ -17,26 +17,27 @@ _PEAK_LEVELS = (7, 8, 6, 5, 4, 3, 2, 1)
 
 def _bf16_neighbours(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The reals bf16 rounds to the non-negative bf16 numbers of ``bits`` (int32): from halfway to
-    the one below to halfway to the one above, in float64 (exact there)."""
+    the one below to halfway to the one above, in float32 (exact there: bf16 keeps 8 significant
+    bits of float32's 24)."""
 
     def value(b):
-        return b.to(torch.int16).view(torch.bfloat16).double()
+        return b.to(torch.int16).view(torch.bfloat16).float()
 
-    here = value(bits)
-    return (value((bits - 1).clamp_min(0)) + here) / 2, (here + value(bits + 1)) / 2
+    here = value(bits)  # halves first: the sum of two numbers near float32's largest would overflow
+    return value((bits - 1).clamp_min(0)) / 2 + here / 2, here / 2 + value(bits + 1) / 2
 
 
 def _bf16_at_least(x: torch.Tensor) -> torch.Tensor:
-    """The smallest bf16 number >= ``x`` (float64, positive), as float32."""
+    """The smallest bf16 number >= ``x`` (float32, positive)."""
     down = x.to(torch.bfloat16)
-    bits = down.view(torch.int16).int() + (down.double() < x).int()
+    bits = down.view(torch.int16).int() + (down.float() < x).int()
     return bits.to(torch.int16).view(torch.bfloat16).float()
 
 
 def _bf16_at_most(x: torch.Tensor) -> torch.Tensor:
-    """The largest bf16 number <= ``x`` (float64, positive), as float32."""
+    """The largest bf16 number <= ``x`` (float32, positive)."""
     up = x.to(torch.bfloat16)
-    bits = up.view(torch.int16).int() - (up.double() > x).int()
+    bits = up.view(torch.int16).int() - (up.float() > x).int()
     return bits.to(torch.int16).view(torch.bfloat16).float()
 
 
@@ -50,7 +51,8 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
     value form an interval: bf16 rounds each |value| from halfway to its lower neighbour to
     halfway to its upper one, so |level| x step must lie there, and the step in that range divided
     by |level|. The levels follow from the peak's (tried as ``_PEAK_LEVELS``); the intervals are
-    intersected, and a step inside is kept: a bf16 one if there is one, else float32, checked.
+    intersected (in float32: a division by a level may round the ends by a unit, so every step
+    kept is checked), and a step inside is kept: a bf16 one if there is one, else float32.
 
     Returns (codes [rows, cols] int8, steps [rows, groups] float32, found [rows, groups]); a
     group on no such grid is not found (codes 0, step 1). Codes -7..8 (the grid centred the
@@ -66,7 +68,7 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
     for k in _PEAK_LEVELS:
         if todo.numel() == 0:
             break
-        v = flat[todo].double()
+        v = flat[todo]
         low, high = _bf16_neighbours(value[todo].abs().view(torch.int16).int())
         levels = torch.round(v / (v.abs().amax(-1, keepdim=True) / k))
         nonzero = levels != 0
@@ -78,7 +80,7 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
         ok &= lo <= hi
         step = torch.zeros(todo.numel(), dtype=torch.float32)
         exact = torch.zeros(todo.numel(), dtype=torch.bool)
-        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), ((lo + hi) / 2).float()):
+        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), lo / 2 + hi / 2):
             fits = ok & ~exact & (candidate > 0) & torch.isfinite(candidate)
             fits &= ((levels.float() * candidate[:, None]).to(torch.bfloat16) == value[todo]).all(-1)
             step = torch.where(fits, candidate, step)
