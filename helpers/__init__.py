@@ -112,6 +112,7 @@ _MODULES = {
     "setup",
     "sources",
     "steps",
+    "synthetic",
     "tour",
     "twin",
 }

@@ -9,13 +9,14 @@ import os
 import pathlib
 
 from .backend import Backend
+from .synthetic import SYNTHETIC, build_synthetic_e2b
 from .twin import build_tiny_twin
 
 REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
 # The QAT training's own weights, bf16 on the 4-bit grid (the -ct export re-rounded its linears):
 # the same shapes and loader, one switch away (HELPERS_MODEL).
 QAT_REPO_ID = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
-MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, or "tiny"
+MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, "tiny", or "e2b-synthetic"
 REVISION_VAR = "HELPERS_REVISION"
 
 
@@ -109,6 +110,8 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
     asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
     if asked == "tiny":
         return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
+    if asked == SYNTHETIC:  # E2B's size, format and bf16, random weights: for bytes, times and programs
+        return Checkpoint(str(build_synthetic_e2b()), None, False, f"{MODEL_VAR}={SYNTHETIC}, built in the cache")
     if asked:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
     if backend.name != "tpu":

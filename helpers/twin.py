@@ -214,17 +214,30 @@ def _tokenizer(folder: pathlib.Path):
     return fast
 
 
+def quantization_config():
+    """Google's quantization config, as compressed-tensors' ``QuantizationConfig``: the text
+    decoder's linears symmetric int4, group 32, saved ``pack-quantized``; the rest bf16."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP_SIZE)
+    return QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+        ignore=IGNORE,
+        format="pack-quantized",
+    )
+
+
 def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> pathlib.Path:
     """Build (or reuse from the cache) the tiny twin checkpoint; returns its folder."""
     folder = pathlib.Path(folder or cache_dir() / f"tiny-twin-v{TWIN_VERSION}-seed{seed}")
-    with _building(folder) as done:
+    with building(folder) as done:
         if not done:
             _build_twin(folder, seed)
     return folder
 
 
 @contextlib.contextmanager
-def _building(folder: pathlib.Path):
+def building(folder: pathlib.Path):
     """Whether ``folder`` holds a finished build (its ``twin.json``, written last), under a lock:
     parallel test workers asking for the same twin build it once, the others wait for it."""
     from filelock import FileLock
@@ -236,12 +249,7 @@ def _building(folder: pathlib.Path):
 
 def _build_twin(folder: pathlib.Path, seed: int) -> None:
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        apply_quantization_config,
-    )
+    from compressed_tensors.quantization import apply_quantization_config
     from safetensors.torch import load_file, save_file
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, GenerationConfig
 
@@ -262,13 +270,7 @@ def _build_twin(folder: pathlib.Path, seed: int) -> None:
     if not answer.endswith("<turn|>"):
         raise RuntimeError(f"the twin did not learn to end its turn within {ANSWER_TOKENS} tokens: {answer!r}")
 
-    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP_SIZE)
-    qconfig = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
-        ignore=IGNORE,
-        format="pack-quantized",
-    )
-    apply_quantization_config(model, qconfig)
+    apply_quantization_config(model, quantization_config())
     for module in model.modules():
         if hasattr(module, "weight_scale"):  # the grid's own scales, not an observer's estimate
             module.weight_scale.data.copy_(scales[module].to(module.weight_scale.dtype))

@@ -1,0 +1,224 @@
+"""A synthetic Gemma 4 E2B checkpoint at full size: the file set, tensor names, shapes, dtypes
+and format of Google's `-ct` export, with seeded random weights, so the series can run at E2B
+scale where the real weights cannot be downloaded. It answers nothing sensible: it is there for
+bytes, times, memory and programs, never for text.
+
+What is Google's (from the real configuration, ``e2b_config.json``, and others' published
+measurements): one ``model.safetensors`` of 2,504 tensors; the multimodal wrapper with the text
+decoder under ``model.language_model.*``; 276 linears ``pack-quantized`` (int4, group 32,
+``weight_packed`` / ``weight_scale`` / ``weight_shape``, bf16 scales, no zero point); the two
+embedding tables bf16(level x step) with float32 steps finer than bf16; an ``lm_head`` copy;
+``generation_config.json`` stopping at ids 1 and 106; Gemma 4's chat template.
+
+What is chosen here, the real facts being unknown: the towers are transformers' default
+``Gemma4VisionConfig(use_clipped_linears=True)`` and ``Gemma4AudioConfig()``: 658 vision and
+751 audio tower tensors and an embedder each, 0.95 GB, which makes the export's 2,504 tensors; the tokenizer is a small byte-level BPE
+with the special tokens at their real ids (``<|turn>`` 105, ``<turn|>`` 106; ``<|think|>``,
+``<|channel>``, ``<channel|>`` at 107-109, chosen), padded to the real vocabulary with
+``<unusedN>`` entries; the weights' scales (each linear's output about unit variance for a
+unit-variance input, table values of standard deviation 0.03, codes -7..7, the layers' scalars
+0.5: see ``LAYER_SCALAR``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import struct
+import zlib
+
+import torch
+
+from . import e2b
+from .packed import GROUP_SIZE, checkpoint_key
+from .twin import CHAT_TEMPLATE, CORPUS, building, cache_dir, quantization_config
+
+SYNTHETIC = "e2b-synthetic"  # HELPERS_MODEL=e2b-synthetic runs the series on it
+SYNTHETIC_VERSION = 2  # bump when the checkpoint changes, so cached copies are rebuilt
+SPECIAL_IDS = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<|turn>": 105, "<turn|>": 106}
+CHOSEN_IDS = {"<|think|>": 107, "<|channel>": 108, "<channel|>": 109}
+TABLE_STD = 0.03  # the tables' values
+# Codes and levels are uniform in -7..7, not -8..7: a mean of -0.5 would give every linear's
+# output and every table row a common part, and greedy decoding then picks one token forever.
+CODE_STD = (224 / 12) ** 0.5  # of codes uniform in -7..7
+# Each layer scales the whole residual stream by its scalar: at 1.0 the 35 layers' attention
+# outputs (averages over the context, alike from step to step) pile up and greedy decoding
+# answered one token forever (measured at full size); at 0.5 the last layers' work on the current
+# token decides, and 8 greedy tokens were 8 different ones.
+LAYER_SCALAR = 0.5
+ROWS_PER_CHUNK = 4096  # a table is written in chunks of rows: its float32 product would not fit at once
+_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32", torch.int64: "I64"}
+
+
+def _generator(name: str, seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+
+
+def _words(shape, generator: torch.Generator):
+    """``pack-quantized`` words of random codes -7..7, eight a word, low nibble first (code + 8)."""
+    rows, width = shape
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        nibbles = torch.randint(1, 16, (min(ROWS_PER_CHUNK, rows - start), width, 8), generator=generator)
+        words = (nibbles << torch.arange(0, 32, 4)).sum(-1)  # int64: the top nibble may set bit 31
+        yield torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _table_rows(shape, name: str, seed: int):
+    """A table in row chunks, bf16(level x step): levels -7..7, one float32 step per group of 32
+    (finer than bf16: no bf16 scale gives the values back), as Google's tables are."""
+    rows, cols = shape
+    generator = _generator(name, seed)
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        n = min(ROWS_PER_CHUNK, rows - start)
+        levels = torch.randint(-7, 8, (n, cols), generator=generator, dtype=torch.int8)  # mean 0: see CODE_STD
+        steps = (torch.rand(n, cols // GROUP_SIZE, generator=generator) + 0.5) * (TABLE_STD / CODE_STD)
+        yield (levels.float() * steps.repeat_interleave(GROUP_SIZE, dim=1)).to(torch.bfloat16)
+
+
+def _entries(config, text_model, towers: dict[str, torch.Size], seed: int):
+    """(name, dtype, shape, chunks) for every tensor, in the order they are written; ``chunks()``
+    makes the tensor's data, in pieces where it is large."""
+    linears = {n for n, m in text_model.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    state = text_model.state_dict()
+    for name, tensor in state.items():
+        key, module = checkpoint_key(name), name.rsplit(".", 1)[0].removeprefix("model.")
+        if name == "lm_head.weight":
+            continue  # written last, as a copy of the main table
+        if module in linears:
+            out_f, in_f = tensor.shape
+            gen = _generator(key, seed)
+            words = (out_f, in_f // 8)
+            yield (
+                key.replace(".weight", ".weight_packed"),
+                torch.int32,
+                words,
+                lambda w=words, g=gen: _words(w, g),
+            )
+            scales = (out_f, in_f // GROUP_SIZE)
+            yield (
+                key.replace(".weight", ".weight_scale"),
+                torch.bfloat16,
+                scales,
+                lambda s=scales, g=gen, i=in_f: [
+                    ((torch.rand(s, generator=g) * 0.4 + 0.8) / (CODE_STD * i**0.5)).to(torch.bfloat16)
+                ],
+            )
+            yield key.replace(".weight", ".weight_shape"), torch.int64, (2,), lambda s=(out_f, in_f): [torch.tensor(s)]
+        elif tensor.dim() == 2:  # the two embedding tables
+            yield key, torch.bfloat16, tuple(tensor.shape), lambda s=tuple(tensor.shape), k=key: _table_rows(s, k, seed)
+        else:  # norms' scales: ones; each layer's scalar: LAYER_SCALAR
+            value = LAYER_SCALAR if name.endswith("layer_scalar") else 1.0
+            yield (
+                key,
+                torch.bfloat16,
+                tuple(tensor.shape),
+                lambda s=tuple(tensor.shape), v=value: [torch.full(s, v, dtype=torch.bfloat16)],
+            )
+    for key, shape in towers.items():  # never read by the series: random, of the towers' sizes
+        yield (
+            key,
+            torch.bfloat16,
+            tuple(shape),
+            lambda s=tuple(shape), k=key: [(torch.randn(s, generator=_generator(k, seed)) * 0.02).to(torch.bfloat16)],
+        )
+    embed = checkpoint_key("model.embed_tokens.weight")
+    shape = tuple(state["model.embed_tokens.weight"].shape)
+    yield "lm_head.weight", torch.bfloat16, shape, lambda: _table_rows(shape, embed, seed)  # the same values
+
+
+def write_safetensors(path: pathlib.Path, entries) -> int:
+    """The safetensors layout (an 8-byte header size, the JSON header, each tensor's bytes in
+    order), written tensor by tensor: safetensors' own ``save_file`` takes every tensor in memory
+    at once, 7.75 GB here. Returns the bytes written."""
+    entries = list(entries)
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, dtype, shape, _ in entries:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for *_, chunks in entries:
+            for chunk in chunks():
+                f.write(chunk.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-d too
+    return 8 + len(raw) + offset
+
+
+def _tokenizer(folder: pathlib.Path, vocab_size: int):
+    """A byte-level BPE trained on the twin's chat corpus, its special tokens at the real ids,
+    padded with ``<unusedN>`` entries to ``vocab_size`` so every id the model makes decodes."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    named = SPECIAL_IDS | CHOSEN_IDS
+    specials = [next((t for t, i in named.items() if i == n), f"<unused{n}>") for n in range(max(named.values()) + 1)]
+    trained = Tokenizer(models.BPE(unk_token="<unk>"))
+    trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(len(specials) + 512, vocab_size),
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    trained.train_from_iterator(CORPUS.splitlines(), trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = model["vocab"] | {f"<unused{i}>": i for i in range(len(model["vocab"]), vocab_size)}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+    fast.add_special_tokens({"additional_special_tokens": list(CHOSEN_IDS) + ["<|turn>", "<turn|>"]})
+    fast.add_bos_token = False  # like the real one: no BOS by itself
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def build_synthetic_e2b(folder: str | os.PathLike | None = None, seed: int = 0, text_config=None, towers=None):
+    """Build (or reuse from the cache) the synthetic checkpoint; returns its folder. Defaults:
+    E2B's real text configuration and the chosen towers. ``text_config`` and ``towers`` (vision
+    and audio configs) build a smaller one by the same code, for tests."""
+    from transformers import (
+        Gemma4AudioConfig,
+        Gemma4Config,
+        Gemma4ForConditionalGeneration,
+        Gemma4VisionConfig,
+        GenerationConfig,
+    )
+
+    folder = pathlib.Path(folder or cache_dir() / f"e2b-synthetic-v{SYNTHETIC_VERSION}-seed{seed}")
+    with building(folder) as done:
+        if done:
+            return folder
+        folder.mkdir(parents=True, exist_ok=True)
+        text = text_config or e2b.real_config()
+        vision, audio = towers or (Gemma4VisionConfig(use_clipped_linears=True), Gemma4AudioConfig())
+        config = Gemma4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), audio_config=audio.to_dict())
+        with torch.device("meta"):
+            whole = Gemma4ForConditionalGeneration(config)
+        tower_shapes = {
+            k: t.shape
+            for k, t in whole.state_dict().items()
+            if k.startswith("model.") and not k.startswith("model.language_model.")
+        }
+        del whole
+        written = write_safetensors(
+            folder / "model.safetensors", _entries(text, e2b.meta_model(text), tower_shapes, seed)
+        )
+        saved = config.to_dict() | {
+            "architectures": ["Gemma4ForConditionalGeneration"],
+            "dtype": "bfloat16",
+            "quantization_config": quantization_config().model_dump() | {"quant_method": "compressed-tensors"},
+        }
+        saved["quantization_config"]["quantization_status"] = "compressed"
+        (folder / "config.json").write_text(json.dumps(saved, indent=2))
+        GenerationConfig(bos_token_id=2, pad_token_id=0, eos_token_id=[1, 106]).save_pretrained(folder)
+        _tokenizer(folder, text.vocab_size)
+        (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor"}))
+        (folder / "twin.json").write_text(json.dumps({"synthetic": SYNTHETIC_VERSION, "seed": seed, "bytes": written}))
+    return folder
