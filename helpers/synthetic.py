@@ -48,7 +48,7 @@ CODE_STD = (224 / 12) ** 0.5  # of codes uniform in -7..7
 # token decides, and 8 greedy tokens were 8 different ones.
 LAYER_SCALAR = 0.5
 ROWS_PER_CHUNK = 4096  # a table is written in chunks of rows: its float32 product would not fit at once
-_DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32", torch.int32: "I32", torch.int64: "I64"}
+_DTYPES = {torch.bfloat16: "BF16", torch.int32: "I32", torch.int64: "I64"}  # the ones it writes
 
 
 def _generator(name: str, seed: int) -> torch.Generator:

@@ -82,8 +82,9 @@ helpers.install_missing()
 # runs in float32: later notebooks compare tokens of differently ordered sums on prompts it
 # never learned, where bf16 would round each program differently
 # (`helpers.checkpoint.series_dtype` says more). A TPU runs float32
-# matmuls in bf16 unless told otherwise, so there the loader sets
-# `torch.set_float32_matmul_precision("highest")` for the twin: a TPU-only line that no
+# matmuls in bf16 unless told otherwise, so there `load_for_series` calls
+# `backend.set_float32_matmuls_exact()` for the twin (torch's global float32 matmul precision
+# set to "highest", a process-wide setting, named as such): a TPU-only line that no
 # machine building this course has run.
 
 # %%

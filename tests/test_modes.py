@@ -15,7 +15,7 @@ def test_shape_demo_compiles_once_per_new_shape(backend):
     assert rows[-1]["total"] == 2
 
 
-def test_run_step_records_the_source_figure_on_the_compile_row_only(backend, tmp_path):
+def test_the_modes_step_records_the_source_figure_on_the_compile_row_only(backend, tmp_path):
     results = Results(tmp_path)
     helpers.steps.modes_step(backend, results, size=16, warmup=1, repeats=2)
     rows = {r["label"]: r for r in results.rows()}
