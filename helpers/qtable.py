@@ -124,11 +124,13 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     """int4 codes from int32 words, eight per word, low nibble first: compressed-tensors'
     `pack-quantized` layout. Written out because compressed-tensors' own unpack returns wrong
     codes on PyTorch/XLA (notebook 02): there `>>` of a negative int32 rounds like a division
-    (measured: codes off by one in words with the top bit set). Shifting the words as
-    non-negative int64 avoids it; the gathered rows are small, and these ops trace everywhere."""
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
-    return (((words.unsqueeze(-1) >> shifts) & 15) - 8).to(torch.int32).flatten(-2)
+    (measured: codes off by one in words with the top bit set). So only non-negative words are
+    shifted: the sign bit is cleared first and given back as the top nibble's high bit. All in
+    int32: a TPU has no 64-bit integers, XLA would emulate every op over the table in pairs."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    top = (shifts == 28).to(torch.int32) * 8  # the bit the cleared sign bit stood for, in the last nibble
+    nibbles = ((packed & 0x7FFFFFFF).unsqueeze(-1) >> shifts) & 15
+    return ((nibbles | (packed < 0).to(torch.int32).unsqueeze(-1) * top) - 8).flatten(-2)
 
 
 class QTable(torch.nn.Module):

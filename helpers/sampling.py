@@ -20,7 +20,6 @@ from transformers.generation.logits_process import (
 
 # the sampling settings the compiled step runs; generate's other warpers are refused, not ignored
 UNSUPPORTED = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
-_M32 = 0xFFFFFFFF
 
 
 def sampling_config(**settings) -> GenerationConfig:
@@ -74,22 +73,31 @@ class Sampler:
         return (self.scores(logits) + noise).argmax(-1, keepdim=True)
 
 
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x >> k`` on int32 words read as unsigned (1 <= k <= 31). The sign bit is cleared before
+    the shift and put back after it: PyTorch/XLA's ``>>`` of a negative int32 rounds like a
+    division (notebook 02), and a TPU has no 64-bit integers to widen into."""
+    return ((x & 0x7FFFFFFF) >> k) | ((x < 0).to(torch.int32) << (31 - k))
+
+
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) on int64 tensors holding values < 2**32."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _M32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (Wellons' lowbias32) on int32 tensors: products wrap mod 2**32,
+    so the bits are those of the unsigned hash."""
+    x = x ^ _shr(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shr(x, 15)
+    x = x * (0x846CA68B - 2**32)  # the constant as a signed 32-bit word
+    return x ^ _shr(x, 16)
 
 
 def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id). Written by hand:
-    torch's generators keep state a compiled program cannot carry between calls, and integer
-    arithmetic gives the same noise on every backend."""
-    key = _mix32(_mix32(seed.view(1, 1) & _M32) ^ (positions.view(-1, 1) & _M32))
-    bits = _mix32(key ^ torch.arange(vocab, device=positions.device).view(1, -1))
-    uniform = ((bits >> 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
+    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id), in 32-bit
+    integers (``seed`` and ``positions`` are read mod 2**32). Written by hand: torch's
+    generators keep state a compiled program cannot carry between calls, and integer arithmetic
+    gives the same noise on every backend."""
+    key = _mix32(_mix32(seed.view(1, 1).to(torch.int32)) ^ positions.view(-1, 1).to(torch.int32))
+    bits = _mix32(key ^ torch.arange(vocab, dtype=torch.int32, device=positions.device).view(1, -1))
+    uniform = (_shr(bits, 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
     return -torch.log(-torch.log(uniform))
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
 from helpers import checkpoint as ck
@@ -203,6 +204,30 @@ def test_the_unpack_matches_compressed_tensors_own():
     packed = pack_to_int32(codes, 4)
     assert torch.equal(q.unpack_rows(packed), unpack_from_int32(packed, 4, codes.shape).to(torch.int32))
     assert torch.equal(q.unpack_rows(packed).to(torch.int8), codes)
+
+
+def test_the_unpack_stays_in_32_bit_integers_and_never_shifts_a_negative_word():
+    """A TPU has no 64-bit integers, and PyTorch/XLA's >> of a negative int32 rounds like a
+    division: every word with its top bit set (a code 0..7 in the last nibble) must still unpack."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(16, 8)  # every code in every nibble
+    packed = pack_to_int32(codes, 4)
+    assert (packed < 0).any() and (packed >= 0).any()
+    shifted = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and not out.is_floating_point():
+                assert out.dtype != torch.int64, f"{func} makes int64"
+            if "rshift" in str(func) or "right_shift" in str(func):
+                shifted.append(bool((args[0] < 0).any()))
+            return out
+
+    with Watch():
+        unpacked = q.unpack_rows(packed)
+    assert torch.equal(unpacked, codes.int()) and shifted and not any(shifted)
 
 
 def test_bytes_are_packed_int4_plus_bf16_group_scales():

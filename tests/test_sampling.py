@@ -132,3 +132,25 @@ def test_a_stop_string_ends_a_sampled_run_and_the_streamer_sees_every_token(samp
     assert streamer.text == tokenizer.decode(tokens, skip_special_tokens=True)
     with pytest.raises(ValueError, match="stop_strings need the tokenizer"):
         decoder.generate(series.ids, 4, stop_strings=[stop])
+
+
+def test_the_noise_is_the_unsigned_32_bit_hash_computed_in_int32():
+    """The Gumbel noise in int32 only (a TPU has no 64-bit integers) gives exactly the noise of
+    the same hash on unsigned 32-bit words computed in int64, seeds past 2**31 included."""
+    from helpers.sampling import gumbel
+
+    mask = 0xFFFFFFFF
+
+    def mix64(x):  # Wellons' lowbias32, as written on 64-bit integers
+        x = x ^ (x >> 16)
+        x = (x * 0x7FEB352D) & mask
+        x = x ^ (x >> 15)
+        x = (x * 0x846CA68B) & mask
+        return x ^ (x >> 16)
+
+    positions = torch.tensor([0, 5, 100_005, 131_327])
+    for seed in (0, 12345, 2**31 + 7, 2**32 - 1):
+        key = mix64(mix64(torch.tensor([[seed]]) & mask) ^ positions.view(-1, 1))
+        bits = mix64(key ^ torch.arange(3000).view(1, -1))
+        expected = -torch.log(-torch.log(((bits >> 8).float() + 0.5) / 2**24))
+        assert torch.equal(gumbel(torch.tensor([seed]), positions, 3000), expected)
