@@ -103,6 +103,7 @@ _MODULES = {
     "hub",
     "modes",
     "packed",
+    "programs",
     "qlinear",
     "qtable",
     "ring",

@@ -15,12 +15,14 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import time
 import warnings
 from typing import Callable
 
 import torch
 
 from . import tpu_scan
+from .programs import AUDIT_VAR, enable_dump
 
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
@@ -94,11 +96,13 @@ class CompileCount:
     programs: device programs the backend compiled (lazy/fused and eager op programs);
         None where the backend does not count them (cpu, cuda).
     executions: device program launches; None where the backend does not count them.
+    seconds: the block's wall time, the device synced at both ends (a first call: its compile).
     """
 
     graphs: int = 0
     programs: int | None = None
     executions: int | None = None
+    seconds: float = 0.0
 
 
 class Backend:
@@ -113,6 +117,8 @@ class Backend:
         self.name = name
         if name == "xla":
             os.environ.setdefault("PJRT_DEVICE", "CPU")
+            if os.environ.get(AUDIT_VAR):  # before the client starts: XLA reads its flags once
+                enable_dump()
             self._xla = importlib.import_module("torch_xla")
             self._xm = importlib.import_module("torch_xla.core.xla_model")
             self._met = importlib.import_module("torch_xla.debug.metrics")
@@ -144,7 +150,12 @@ class Backend:
 
     # --- waiting and memory -------------------------------------------------------------
     def sync(self) -> None:
-        """Wait until every queued device op has finished."""
+        """Wait until every queued device op has finished. On a TPU, ``torch.accelerator.synchronize``:
+        in TorchTPU's sources it reaches the device guard's ``synchronizeDevice``, which first
+        launches every deferred op (``MaterializeAll``) and then waits for each stream's
+        executions and copies, so a timing or a count after it covers programs that ran (its
+        Python docstring, "waits for all pending d2h copies", is older than that). Read in the
+        sources, not run: no machine building this course has a TPU."""
         if self.name == "xla":
             self._xm.wait_device_ops()
         elif self.name in ("tpu", "cuda"):
@@ -230,6 +241,18 @@ class Backend:
         options.setdefault("dynamic", False)
         return torch.compile(fn, backend=_COMPILE_BACKEND[self.name], **options)
 
+    def donate(self, *tensors: torch.Tensor) -> None:
+        """Inside a compiled function: ``tensors`` are written in place there (a KV cache), so
+        their buffers may be reused for the program's outputs, not copied whole into new ones.
+        PyTorch/XLA's dynamo bridge aliases an input only when it is marked a buffer donor, in
+        the graph (``dynamo_set_buffer_donor_``); without it, every call writes a new copy of
+        each (measured by ``helpers.programs``). TorchTPU 0.2.0's compile offers no such mark (its
+        sources: mutated inputs are functionalized, the program returns new buffers, the tensor
+        is pointed at them after the call); inductor (cpu, cuda) writes in place by itself."""
+        if self.name == "xla":
+            for tensor in tensors:
+                torch.ops.xla.dynamo_set_buffer_donor_(tensor, True)
+
     def set_float32_matmuls_exact(self) -> None:
         """On a TPU, float32 matmuls run in bf16 passes unless told otherwise: set torch's global
         float32 matmul precision to "highest" there (a process-wide setting, named as such), so
@@ -309,11 +332,12 @@ class Backend:
         self.sync()  # let launches made before the block finish and be counted before it
         graphs0 = counters["stats"]["unique_graphs"]
         programs0, executions0 = self._device_counts()
-        result = CompileCount()
+        result, start = CompileCount(), time.perf_counter()
         try:
             yield result
         finally:
             self.sync()
+            result.seconds = time.perf_counter() - start
             programs1, executions1 = self._device_counts()
             result.graphs = counters["stats"]["unique_graphs"] - graphs0
             if programs0 is not None:

@@ -82,16 +82,21 @@ def set_length(cache: Cache, length: int) -> None:
             layer.cumulative_length.fill_(length)
 
 
+def kv_buffers(cache) -> list[torch.Tensor]:
+    """The K and V tensors a cache holds, layer by layer (none for a K/V-sharing layer)."""
+    return [
+        t
+        for layer in getattr(cache, "layers", [])
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        if t is not None
+    ]
+
+
 def cache_bytes(cache) -> int:
     """K and V bytes the cache holds, from its tensors: every allocated slot of a static or ring
     cache (what the attention reads each step: the mask drops unused slots after the read), what
     a dynamic cache holds now."""
-    return sum(
-        t.numel() * t.element_size()
-        for layer in getattr(cache, "layers", [])
-        for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-        if t is not None
-    )
+    return sum(t.numel() * t.element_size() for t in kv_buffers(cache))
 
 
 def device_bytes(model, cache: Cache) -> int:
@@ -142,6 +147,7 @@ class Decoder:
         return static_cache(model, max_len)
 
     def step(self, token, position):
+        self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
         logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
         return self.sampler(logits[:, -1], position.view(-1) + 1, self.seed), position + 1
 
@@ -155,6 +161,7 @@ class Decoder:
         return torch.cat(tokens, dim=1), token, position
 
     def _prefill(self, tokens, last):
+        self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         # the head on the last real position only, not on the whole bucket: at E2B's vocabulary of
         # 262,144 a 4096-token bucket's logits would be 2.1 GB of bf16 at the prefill's peak
@@ -236,6 +243,27 @@ class Decoder:
             block, token, position = self.call(token, position)
             pending.append(block)
             made += self.tokens_per_call
+
+
+@torch.no_grad()
+def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
+    """Where the time of ``steps`` compiled decode calls goes, after a prefill of ``ids``:
+    torch.profiler's table of the ``rows`` ops with the most self time, host (CPU) activity
+    everywhere and the GPU's kernels on cuda. On tpu and xla it sees the host's side only
+    (dispatch, guards, waiting for the device); the device's own ops are in the backend's
+    profiler (TorchTPU's, PyTorch/XLA's ``torch_xla.debug.profiler``), not wired in here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if decoder.backend.name == "cuda" else [])
+    token, position = decoder.prefill(ids)
+    decoder.backend.sync()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            _, token, position = decoder.call(token, position)
+        decoder.backend.flush()
+        decoder.backend.sync()
+    sort = "self_cuda_time_total" if decoder.backend.name == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=rows)
 
 
 @contextlib.contextmanager

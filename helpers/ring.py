@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from transformers.cache_utils import Cache, StaticLayer
 
 from .bench import time_fed, time_fn
-from .decode import Decoder, allocated_layers, cache_bytes, greedy_step
+from .decode import Decoder, allocated_layers, cache_bytes, greedy_step, kv_buffers
 from .sampling import greedy_config
 
 EMPTY = -1  # the position of a slot never written
@@ -213,10 +213,12 @@ class RingDecoder(Decoder):
         return logits
 
     def step(self, token, position):
+        self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
         logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device))
         return self.sampler(logits[:, -1], position.view(-1) + 1, self.seed), position + 1
 
     def _prefill(self, tokens, positions, valid, last):
+        self.backend.donate(*kv_buffers(self.cache))
         logits = self.forward_chunk(tokens, positions, valid)[0].index_select(0, last)
         return self.sampler(logits, positions[0].index_select(0, last) + 1, self.seed)
 

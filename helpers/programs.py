@@ -1,0 +1,196 @@
+"""The programs XLA is handed, read without a TPU. PyTorch/XLA's CPU client (the ``xla``
+backend) compiles each graph with XLA, which dumps what it compiled when told to
+(``--xla_dump_to``): the HLO after its optimizations and the buffer assignment. From them, the
+properties that decide a TPU program's speed and fit: 64-bit integer ops (a TPU has none; XLA
+emulates each in 32-bit pairs), which inputs are aliased to outputs (a KV cache written in
+place, or copied whole at every step), the largest intermediate buffer, and the program's
+memory as XLA assigned it. On a TPU, TorchTPU's compile gives its own view
+(``options={"debug_callback": ...}``: StableHLO text), not read by this course."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import re
+import tempfile
+
+AUDIT_VAR = "HELPERS_XLA_AUDIT"  # set (to 1) before the xla backend starts: XLA dumps what it compiles
+DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*"
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
+_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+NOT_WORK = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
+_ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+
+
+def dump_folder() -> pathlib.Path | None:
+    """Where XLA dumps what it compiles in this process, if it was told to (``XLA_FLAGS``)."""
+    found = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return pathlib.Path(found.group(1)) if found else None
+
+
+def enable_dump() -> pathlib.Path:
+    """The folder XLA dumps every compiled module into: set in ``XLA_FLAGS`` now, so call it
+    before the xla backend's first device use (XLA reads its flags once, when its client starts).
+    Reuses a dump folder already set there."""
+    if dump_folder():
+        return dump_folder()
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="xla-dump-"))
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DUMP_FLAGS.format(folder)}".strip()
+    return folder
+
+
+def array_bytes(shape_text: str) -> int:
+    """Bytes of every array in an HLO shape, e.g. ``(bf16[1,8,256]{2,1,0}, s32[])``."""
+    return sum(_count(dims) * _BYTES.get(dtype, 4) for dtype, dims in _ARRAY.findall(shape_text))
+
+
+@dataclasses.dataclass
+class Program:
+    """One module XLA compiled: its name, its HLO text after optimizations, its buffer assignment."""
+
+    name: str
+    hlo: str
+    buffers: str
+
+
+@contextlib.contextmanager
+def captured(folder: pathlib.Path):
+    """The programs XLA compiles inside the block (dumped into ``folder``), filled at its end."""
+    before = set(folder.glob("*after_optimizations.txt"))
+    programs: list[Program] = []
+    try:
+        yield programs
+    finally:
+        for path in sorted(set(folder.glob("*after_optimizations.txt")) - before):
+            buffers = path.with_name(path.name.replace(".txt", "-buffer-assignment.txt"))
+            name = ".".join(path.name.split(".")[:3])  # module_0038.SyncTensorsGraph.5092
+            programs.append(Program(name, path.read_text(), buffers.read_text() if buffers.exists() else ""))
+
+
+def _entry(hlo: str) -> list[str]:
+    """The instruction lines of the entry computation."""
+    start = hlo.index("\nENTRY ")
+    return hlo[start:].split("\n}\n", 1)[0].splitlines()[1:]
+
+
+def parameters(hlo: str) -> dict[int, str]:
+    """The entry computation's parameters: number -> shape text."""
+    found = {}
+    for line in _entry(hlo):
+        m = re.search(r"= (.+?) parameter\((\d+)\)", line)
+        if m:
+            found[int(m.group(2))] = m.group(1)
+    return found
+
+
+def aliased(hlo: str) -> dict[int, int]:
+    """The module's input-output aliasing: parameter number -> output index (top level)."""
+    header = hlo.split("\n", 1)[0]
+    m = re.search(r"input_output_alias=\{(.*?)\}, (?:entry_computation_layout|alias_passthrough|$)", header)
+    if not m:
+        return {}
+    pairs = re.findall(r"\{(\d+)\}: \((\d+),", m.group(1))
+    return {int(param): int(out) for out, param in pairs}
+
+
+def s64_ops(hlo: str) -> tuple[dict[str, int], int]:
+    """Instructions that make a 64-bit integer value, by opcode, in every computation (a TPU
+    emulates each one), and the most elements one of them makes; inputs, constants and the
+    instructions that only rename data (``NOT_WORK``) are left out."""
+    counts: dict[str, int] = {}
+    largest = 0
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(", line)
+        if not m or m.group(2) in NOT_WORK:
+            continue
+        arrays = [dims for dtype, dims in _ARRAY.findall(m.group(1)) if dtype in ("s64", "u64")]
+        if not arrays:
+            continue
+        counts[m.group(2)] = counts.get(m.group(2), 0) + 1
+        for dims in arrays:
+            largest = max(largest, _count(dims))
+    return counts, largest
+
+
+def _count(dims: str) -> int:
+    count = 1
+    for d in filter(None, dims.split(",")):
+        count *= int(d)
+    return count
+
+
+def largest_intermediate(program: Program) -> tuple[int, str]:
+    """The largest buffer XLA assigned that is neither an input nor an output nor a constant
+    (bytes and what it holds), from the buffer assignment; (0, "") if it has none."""
+    best, what = 0, ""
+    for block in program.buffers.split("\nallocation ")[1:]:
+        head = block.split("\n", 1)[0]
+        if any(tag in head for tag in ("parameter", "maybe-live-out", "constant", "thread-local")):
+            continue
+        for m in re.finditer(r"value: <\d+ ([^>]+)> \(size=(\d+),offset=\d+\): (.+)", block):
+            if int(m.group(2)) > best:
+                best, what = int(m.group(2)), f"{m.group(1)}: {m.group(3).strip()}"
+    return best, what
+
+
+def assigned_bytes(program: Program) -> dict[str, int]:
+    """The program's memory as XLA's buffer assignment sizes it: its inputs (parameters), its
+    outputs not aliased to an input, its temporaries, and their total, the most the program
+    holds at once (temporaries share space where their lifetimes do not overlap)."""
+    sizes = {"parameters": 0, "outputs": 0, "temporaries": 0}
+    for block in program.buffers.split("\nallocation ")[1:]:
+        head = block.split("\n", 1)[0]
+        m = re.match(r"\d+: size (\d+)", head)
+        if not m or "constant" in head or "thread-local" in head:
+            continue
+        kind = "parameters" if "parameter" in head else "outputs" if "maybe-live-out" in head else "temporaries"
+        sizes[kind] += int(m.group(1))
+    sizes["total"] = sum(sizes.values())
+    return sizes
+
+
+def hlo_shape(tensor) -> str:
+    """A tensor's shape as HLO writes it, e.g. ``bf16[1,1,256,64]``."""
+    dtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "int64": "s64"}
+    return f"{dtype[str(tensor.dtype).removeprefix('torch.')]}[{','.join(map(str, tensor.shape))}]"
+
+
+def audit(program: Program, cache_shapes: list[str] | None = None) -> dict:
+    """One program's row. ``cache_shapes``: HLO shapes of the KV cache buffers (e.g.
+    ``bf16[1,1,256,64]``); the parameters of those shapes are the cache's, and each one not
+    aliased to an output is written whole into a new buffer: its bytes are copied per call."""
+    params, alias = parameters(program.hlo), aliased(program.hlo)
+    cache = [n for n, shape in params.items() if cache_shapes and shape.split("{")[0] in cache_shapes]
+    copied = sum(array_bytes(params[n]) for n in cache if n not in alias)
+    size, what = largest_intermediate(program)
+    s64, s64_largest = s64_ops(program.hlo)
+    return {
+        "program": program.name,
+        "s64_ops": sum(s64.values()),
+        "s64_kinds": ", ".join(f"{k} {v}" for k, v in sorted(s64.items(), key=lambda kv: -kv[1])[:4]),
+        "s64_largest": s64_largest,
+        "cache_buffers": len(cache),
+        "cache_aliased": sum(n in alias for n in cache),
+        "cache_bytes_copied": copied,
+        "largest_intermediate": size,
+        "largest_is": what,
+        **{f"{k}_bytes": v for k, v in assigned_bytes(program).items()},
+    }
+
+
+def summary(compiled: list[Program], cache_shapes: set[str]) -> dict:
+    """One row's audit columns for the programs a variant compiled (its prefill and its step):
+    the largest of each figure over them, and whether every cache buffer was aliased in all."""
+    rows = [audit(p, cache_shapes) for p in compiled]
+    rows = [r for r in rows if r["cache_buffers"]]
+    if not rows:
+        return {}
+    return {
+        "s64_ops": max(r["s64_ops"] for r in rows),
+        "cache_in_place": all(r["cache_aliased"] == r["cache_buffers"] for r in rows),
+        "cache_bytes_copied": max(r["cache_bytes_copied"] for r in rows),
+        "largest_intermediate": max(r["largest_intermediate"] for r in rows),
+        "program_bytes": max(r["total_bytes"] for r in rows),
+    }

@@ -1,0 +1,120 @@
+"""The compiled programs as XLA builds them (the xla job, XLA's CPU compiler, the twin): the
+decode step and the prefill write the KV cache in place (every cache buffer aliased input to
+output, nothing copied), no 64-bit integer work over a table row or the vocabulary (the 4-bit
+unpack and the sampling noise are 32-bit), and the 4-bit table dequantizes only the rows it
+gathers. Elsewhere: the dump's parsing, on a program of known shape."""
+
+import os
+
+import pytest
+import torch
+from conftest import needs_xla
+
+import helpers
+from helpers import decode, programs, qtable, sampling
+from helpers.programs import AUDIT_VAR
+from helpers.ring import RingDecoder
+
+os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this target's process only
+
+
+def _audits(decoder, series, **options) -> list[dict]:
+    torch._dynamo.reset()
+    folder = programs.enable_dump()
+    with programs.captured(folder) as compiled:
+        tokens = decoder.generate(series.ids, series.new_tokens, **options)
+    shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
+    rows = [programs.audit(p, shapes) for p in compiled]
+    return tokens, [r for r in rows if r["cache_buffers"]]  # the prefill and the step
+
+
+@pytest.fixture(scope="module")
+def xla_series():
+    backend = helpers.get_backend()
+    if backend.name != "xla":
+        pytest.skip("reads what XLA compiled: the xla job")
+    return helpers.series.prepare(backend, after=5)
+
+
+@needs_xla
+@pytest.mark.parametrize("decoder_class", [decode.Decoder, RingDecoder])
+def test_the_step_and_the_prefill_write_every_cache_buffer_in_place(xla_series, decoder_class):
+    decoder = decoder_class(xla_series.model, helpers.get_backend(), max_len=64)
+    tokens, rows = _audits(decoder, xla_series)
+    assert xla_series.same_tokens(tokens)
+    assert len(rows) == 2, rows  # the prefill (a bucket, or a chunk) and the decode step
+    for row in rows:
+        assert row["cache_buffers"] == len(decode.kv_buffers(decoder.cache)) == row["cache_aliased"], row
+        assert row["cache_bytes_copied"] == 0
+
+
+@needs_xla
+def test_no_64_bit_integer_work_over_a_table_row_or_the_vocabulary(xla_series):
+    """The 4-bit table's unpack and the sampler's noise in int32: what 64-bit integer work is
+    left (positions, masks: transformers' int64 positions) is smaller than either."""
+    config = xla_series.model.config.get_text_config()
+    sampled = decode.Decoder(
+        xla_series.model, helpers.get_backend(), max_len=64, sampling=sampling.sampling_config(top_k=8)
+    )
+    _, rows = _audits(sampled, xla_series, seed=3)
+    row_width = config.num_hidden_layers * config.hidden_size_per_layer_input
+    for row in rows:
+        assert row["s64_largest"] < min(row_width, config.vocab_size), row
+
+
+@needs_xla
+def test_the_4bit_table_dequantizes_only_the_rows_it_gathers(xla_series):
+    table = xla_series.model.model.embed_tokens_per_layer
+    assert isinstance(table, qtable.QTable)
+    whole = table.packed.shape[0] * table.embedding_dim * 4  # the table dequantized, float32 (the twin)
+    _, rows = _audits(decode.Decoder(xla_series.model, helpers.get_backend(), max_len=64), xla_series)
+    for row in rows:
+        assert row["largest_intermediate"] < whole / 4, row
+
+
+def test_the_audit_reads_an_hlo_module_and_its_buffer_assignment():
+    hlo = (
+        "HloModule m, input_output_alias={ {1}: (2, {}, may-alias) }, entry_computation_layout={(s64[4]{0})->s64[4]{0}}\n"
+        "\n"
+        "ENTRY %m (p0: s64[4], p1: f32[8], p2: bf16[1,2,16,4]) -> (s64[4], bf16[1,2,16,4]) {\n"
+        "  %p0 = s64[4]{0} parameter(0)\n"
+        "  %p1 = f32[8]{0} parameter(1)\n"
+        "  %p2 = bf16[1,2,16,4]{3,2,1,0} parameter(2)\n"
+        "  %iota.1 = s64[4]{0} iota(), iota_dimension=0\n"
+        "  %add.2 = s64[4]{0} add(%p0, %iota.1)\n"
+        "  ROOT %t = (s64[4]{0}, bf16[1,2,16,4]{3,2,1,0}) tuple(%add.2, %p2)\n"
+        "}\n"
+    )
+    buffers = (
+        "BufferAssignment:\n"
+        "allocation 0: size 32, parameter 0, shape |s64[4]| at ShapeIndex {}:\n"
+        " value: <1 p0 @0> (size=32,offset=0): s64[4]{0}\n"
+        "allocation 1: size 256, maybe-live-out:\n"
+        " value: <2 add.2 @0> (size=32,offset=0): s64[4]{0}\n"
+        "allocation 2: size 640, preallocated-temp:\n"
+        " value: <3 fusion.1 @0> (size=512,offset=0): f32[128]{0}\n"
+        " value: <4 fusion.2 @0> (size=128,offset=512): f32[32]{0}\n"
+    )
+    row = programs.audit(programs.Program("m", hlo, buffers), {"bf16[1,2,16,4]", "f32[8]"})
+    assert (row["s64_ops"], row["s64_largest"]) == (2, 4)  # the iota and the add, not the parameter
+    assert (row["cache_buffers"], row["cache_aliased"], row["cache_bytes_copied"]) == (2, 1, 32)
+    assert (row["largest_intermediate"], row["largest_is"]) == (512, "fusion.1 @0: f32[128]{0}")
+    assert (row["parameters_bytes"], row["outputs_bytes"], row["temporaries_bytes"]) == (32, 256, 640)
+    assert programs.hlo_shape(torch.zeros(1, 2, 16, 4, dtype=torch.bfloat16)) == "bf16[1,2,16,4]"
+
+
+@needs_xla
+def test_notebook_07s_rows_carry_the_audit_of_what_xla_compiled(xla_series):
+    """The 4-bit head (the last change before fusing) as a variant row: its programs write the
+    cache in place, and the row says how large the largest intermediate is beside the whole
+    main table dequantized: what a TPU reader checks before trusting its bytes per step."""
+    backend = helpers.get_backend()
+    series = helpers.series.prepare(backend, after=5)  # its own model: the variants change it in place
+    (row,) = helpers.steps.measure_variants_in_place(backend, series, ks=(), variants=("4-bit head",))
+    assert row["same_tokens"] and row["cache_in_place"] and row["cache_bytes_copied"] == 0
+    config = series.model.config.get_text_config()
+    whole_table = config.vocab_size * config.hidden_size * 4  # float32, the twin
+    print(
+        f"4-bit head: largest intermediate {row['largest_intermediate']:,} B, the table dequantized {whole_table:,} B"
+    )
+    assert 0 < row["largest_intermediate"] and row["program_bytes"] > 0
