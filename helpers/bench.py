@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -13,6 +14,8 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 RUN_DIR_VAR = "HELPERS_RUN_DIR"
+# the run folder on Google Drive once mounted at Colab's usual place (drive.mount("/content/drive"))
+DRIVE_RUNS = "/content/drive/MyDrive/gemma4-on-tpu/runs"
 
 
 @dataclasses.dataclass
@@ -73,13 +76,37 @@ def time_fed(step: Callable, state: tuple, *, sync: Callable[[], None], repeats:
     return time_fn(fed, sync=sync, warmup=warmup, repeats=repeats)
 
 
+def host_peak_bytes() -> int | None:
+    """This process's peak resident host memory since it started or since the last
+    ``reset_host_peak()``: Linux's VmHWM (None elsewhere). It counts the pages of a memory-mapped
+    checkpoint the process touched, as the kernel does."""
+    try:
+        status = pathlib.Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    kb = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+    return kb and int(kb) * 1024
+
+
+def reset_host_peak() -> None:
+    """Start a new peak for ``host_peak_bytes`` from the memory in use now (Linux only): a peak
+    per phase, not per process."""
+    with contextlib.suppress(OSError):
+        pathlib.Path("/proc/self/clear_refs").write_text("5")
+
+
 def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
     """The folder a run's results, reference tokens and charts go to (made if missing).
 
     Notebooks of one run share it, so a later notebook can read what an earlier one wrote:
-    ``$HELPERS_RUN_DIR`` if set, else ``runs/latest`` beside the notebooks' working folder.
+    ``$HELPERS_RUN_DIR`` if set; else, where Google Drive is mounted (Colab gives each notebook
+    a fresh runtime and ``/content``), ``DRIVE_RUNS`` on it, so the results table and notebook
+    03's tokens carry from one notebook to the next; else ``runs/latest`` beside the notebooks'
+    working folder.
     """
-    folder = pathlib.Path(path or os.environ.get(RUN_DIR_VAR) or "runs/latest")
+    drive = pathlib.Path(DRIVE_RUNS)
+    default = drive if drive.parent.parent.is_dir() else pathlib.Path("runs/latest")
+    folder = pathlib.Path(path or os.environ.get(RUN_DIR_VAR) or default)
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 

@@ -17,8 +17,8 @@ import warnings
 import torch
 
 from .backend import Backend
-from .bench import fmt_bytes
-from .e2b import estimate_device_bytes
+from .bench import fmt_bytes, host_peak_bytes
+from .e2b import estimate_device_bytes, fit_options
 from .hub import Checkpoint, CheckpointError, local_folder
 from .packed import (
     CHECKPOINT_PREFIX,
@@ -30,6 +30,7 @@ from .packed import (
     text_key,
 )
 from .sampling import greedy_config
+from .sources import CONTEXT
 from .twin import PROMPT
 
 
@@ -109,7 +110,9 @@ def preflight(
     if needed > available:
         raise CheckpointError(
             f"will not fit: needs ~{fmt_bytes(needed)} on {where}, {fmt_bytes(available)} free; "
-            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device."
+            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device; "
+            "what the later notebooks keep smaller at E2B: "
+            + "; ".join(f"{o['option']} saves {fmt_bytes(o['saves'])}" for o in fit_options(config, CONTEXT))
         )
     return f"preflight: needs ~{fmt_bytes(needed)} of {fmt_bytes(available)} free on {where}: fits"
 
@@ -232,8 +235,6 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
     redundant lm_head copy), each packed weight is dequantized once, straight into ``dtype``;
     the process's peak host memory is printed. Its generation config (the stop ids) is the
     checkpoint's own, as ``from_pretrained`` would read it."""
-    import resource
-
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from transformers import Gemma4ForCausalLM, GenerationConfig
 
@@ -258,7 +259,7 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
     model = Gemma4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
     if (folder / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(folder)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+    peak = host_peak_bytes()
     print(
         f"reference model: {fmt_bytes(sum(t.numel() * t.element_size() for t in state.values()))} of text-decoder "
         f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(peak)}"

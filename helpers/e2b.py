@@ -9,6 +9,7 @@ import pathlib
 import torch
 
 from .packed import GROUP_SIZE, TABLE_SCALE_BYTES, int4_bytes
+from .sources import CONTEXT, V5E_BYTES_PER_S
 
 E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
 
@@ -83,6 +84,29 @@ def estimate_device_bytes(config, dequantize: bool) -> int:
     return bf16 + sum(n // GROUP_SIZE * 2 for n in linears)
 
 
+def fit_options(config, max_len: int = CONTEXT) -> list[dict]:
+    """What each way of fitting a model into less device memory saves, computed from its
+    (meta) configuration: the linears kept packed in int4 (notebook 07), the per-layer table
+    left in host memory with one row fetched per token (Gemma 3n's documented approach to its
+    per-layer embeddings; here against the 4-bit table of notebook 05), a smaller ``max_len``
+    for the ring cache (a quarter), and K and V in int8 instead of bf16 (scales aside)."""
+    parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
+    linears, table = parts["linears"], parts["embed_tokens_per_layer"]
+    cache = kv_cache_bytes(config, max_len, ring=True)
+    return [
+        {"option": "linears kept packed in int4 (notebook 07)", "saves": linears["bf16_bytes"] - linears["int4_bytes"]},
+        {
+            "option": "per-layer table in host memory, one row per token (vs notebook 05's 4-bit table)",
+            "saves": table["int4_exact_bytes"],
+        },
+        {
+            "option": f"ring cache for {max_len // 4:,} positions instead of {max_len:,}",
+            "saves": cache - kv_cache_bytes(config, max_len // 4, ring=True),
+        },
+        {"option": f"KV cache in int8 ({max_len:,} positions)", "saves": cache // 2},
+    ]
+
+
 def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
     """Device bytes by component at E2B scale after each step 02-05, computed on the meta
     device (no weights): what the stacked chart of notebook 05 shows beside the twin."""
@@ -116,12 +140,13 @@ def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
     }
 
 
-def step_figures(context: int = 256, ring_context: int = 131_328, bandwidth: float = 819e9) -> list[dict]:
+def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: float = V5E_BYTES_PER_S) -> list[dict]:
     """Per step of the series (and notebook 07's variants), at E2B scale on the meta device:
     the weights on the device, the bytes one decode step reads (every weight once, the tied
     head reading the main table whole, one row of the per-layer table, the KV cache the
     attention reads: ``context`` positions, or the ring's buffers at ``ring_context``) and the
-    ceiling tok/s at ``bandwidth`` (a v5e's 819 GB/s)."""
+    ceiling tok/s at ``bandwidth`` (a v5e's 819 GB/s); and the FLOPs of a step at batch 1 (the
+    attention over a short cache is left out: a few MFLOPs)."""
     config = real_config()
     model = meta_model(config)
     inner = model.model
@@ -169,6 +194,8 @@ def step_figures(context: int = 256, ring_context: int = 131_328, bandwidth: flo
                 "cache_read": cache,
                 "bytes_per_token": read,
                 "ceiling_tok_s": bandwidth / read,
+                # a multiply-add per weight of each linear and of the head (the main table)
+                "flops_per_token": 2 * (sum(linears) + embed),
             }
         )
     return out

@@ -15,23 +15,28 @@ from .bench import time_fn
 from .decode import cache_bytes
 from .sources import V5E_BYTES_PER_S
 
+READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread
+
 
 @functools.cache
-def _probe(name: str, device: str, megabytes: int) -> float:
+def _probe(name: str, device: str, megabytes: int) -> tuple[float, float]:
     backend = get_backend(name)
     data = torch.randn(megabytes * 2**20 // 4, device=backend.device)
-    timing = time_fn(torch.amax, data, sync=lambda: (backend.flush(), backend.sync()), warmup=2, repeats=7)
-    return data.numel() * data.element_size() / timing.median
+    timing = time_fn(torch.amax, data, sync=lambda: (backend.flush(), backend.sync()), warmup=2, repeats=READS)
+    return data.numel() * data.element_size() / timing.min, timing.max / timing.min
 
 
 def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
     """Bytes per second this device reads at, and where the figure comes from: the max of
-    ``megabytes`` of float32 (it reads every byte once and does next to nothing else), measured
-    once per process; on a TPU, the published v5e figure. Not a matrix-vector product: on a CPU
-    the compiled step's own loops read faster than MKL's (``benchmarks/matvec.py``)."""
+    ``megabytes`` of float32 (it reads every byte once and does next to nothing else), the
+    best of ``READS`` reads, measured once per process, with their spread in the description
+    (a busy machine shows there); on a TPU, the published v5e figure. Not a matrix-vector
+    product: on a CPU the compiled step's own loops read faster than MKL's
+    (``benchmarks/matvec.py``)."""
     if backend.name == "tpu":
         return V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s"
-    return _probe(backend.name, str(backend.device), megabytes), "measured here: the max of a large tensor"
+    best, spread = _probe(backend.name, str(backend.device), megabytes)
+    return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
 
 
 def _tensors(module) -> dict[int, torch.Tensor]:

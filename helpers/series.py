@@ -26,6 +26,7 @@ class Series:
     reference: list[int]  # notebook 03's tokens (HF generate), up to and including the stop
     table: dict | None = None  # notebook 05's report, once the per-layer table is in 4-bit
     _reference_model: torch.nn.Module | None = dataclasses.field(default=None, repr=False)
+    _verdicts: dict = dataclasses.field(default_factory=dict, repr=False)  # tokens -> Verdict
 
     def same_tokens(self, tokens: list[int]) -> ck.Verdict:
         """Whether ``tokens`` are notebook 03's: equal lists where the arithmetic is exact (the
@@ -36,7 +37,16 @@ class Series:
             return ck.compare_tokens(tokens, self.reference)
         if self._reference_model is None:
             self._reference_model = ck.reference_model(self.checkpoint)
-        return ck.compare_tokens(tokens, self.reference, self._reference_model, self.ids)
+        key = tuple(tokens)  # one teacher-forced forward per distinct list: at full size, seconds each
+        if key not in self._verdicts:
+            self._verdicts[key] = ck.compare_tokens(tokens, self.reference, self._reference_model, self.ids)
+        return self._verdicts[key]
+
+    def drop_reference_model(self) -> None:
+        """Free the reference model (a host copy of the text decoder: 9 GB at E2B) until a
+        comparison needs it again, e.g. while a step builds something large beside the series'
+        model; the verdicts already made are kept."""
+        self._reference_model = None
 
 
 def load_for_series(backend: Backend):

@@ -14,6 +14,8 @@ HF_GENERATE_TOK_S = 5  # plain HF generate: "~5 tok/s"
 COMPILED_STEP_TOK_S = 32  # one compiled decode step: 31-33 tok/s
 TABLE_4BIT_TOK_S = 50  # + the per-layer table in 4-bit: 50 tok/s
 RING_TOK_S = 38  # + the ring cache: 38-45 tok/s, 38 at long context
+# The context its ring cache held: 131,328 positions.
+CONTEXT = 131_328
 # Its compile's peak memory: 16.6-16.9 GB, at the v5e-1's 16 GB of HBM.
 COMPILE_PEAK_BYTES = (16.6e9, 16.9e9)
 
@@ -23,5 +25,6 @@ JAX_BF16_TOK_S = 135.0  # a pure-JAX engine, bf16 weights unpacked once at load 
 JAX_W4_TOK_S = 93.7  # the same engine, the 4-bit weights unpacked every step (same article)
 VLLM_TOK_S = 123.7  # vLLM on TPU, one request at context 128 (xbill9/gemma4-dev, serving report)
 
-# Google's published HBM bandwidth of one TPU v5e chip.
+# Google's published HBM bandwidth and bf16 peak of one TPU v5e chip.
 V5E_BYTES_PER_S = 819e9
+V5E_BF16_FLOPS = 197e12

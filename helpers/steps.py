@@ -5,15 +5,16 @@ the mechanisms; this module calls them and writes down what they measured."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
 
 from . import checkpoint as ck
-from . import modes, roofline, sources
-from .backend import Backend
+from . import modes, programs, roofline, sources
+from .backend import Backend, CompileCount
 from .bench import Results, time_fn
-from .decode import Decoder, device_bytes, timed_generate
+from .decode import Decoder, device_bytes, kv_buffers, timed_generate
 from .e2b import kv_cache_bytes
 from .fused import fuse_projections
 from .generate import measure, save_reference
@@ -30,6 +31,7 @@ COMPILED = "04 compiled decode"
 TABLE = "05 4-bit table"
 RING = "06 ring cache"
 PAST = "07 past the source"
+TOUR_MAX_LEN = 256  # the tour's cache positions: prompt and tokens with room to spare
 KS = ((1, 2, 4), (1, 2))  # notebook 07's K, elsewhere and on xla: each K is a compile, minutes for large K on a CPU
 
 
@@ -136,14 +138,15 @@ def record_compiled(
     decoder: Decoder,
     series: Series,
     tokens: list[int],
-    compiles: int,
+    compiled: CompileCount,
     source_tok_s: float,
     runs: list[float] | None = None,
 ) -> dict:
     """A compiled step's row, the same from its notebook and the tour: decode tok/s (3 timed
-    runs, or the given ``runs``) and their spread, same tokens as notebook 03, compilations, the
-    bytes of weights and cache on the device from their tensors, the 4-bit table's bytes if it
-    has one, and the roofline columns."""
+    runs, or the given ``runs``) and their spread, same tokens as notebook 03, what the first
+    call compiled (``compiled``: its graphs, and its seconds, the compile's cost), the peak
+    device memory where the backend counts it, the bytes of weights and cache on the device from
+    their tensors, the 4-bit table's bytes if it has one, and the roofline columns."""
     if runs is None:
         runs = timed_generate(decoder, series.ids, series.new_tokens, readback_every=16)["rates"]
     return results.add(
@@ -151,7 +154,9 @@ def record_compiled(
         label,
         backend=decoder.backend.name,
         same_tokens=bool(series.same_tokens(tokens)),
-        compiles=compiles,
+        compiles=compiled.graphs,
+        first_call_s=compiled.seconds,
+        peak_bytes=(decoder.backend.memory() or {}).get("peak"),
         device_bytes=device_bytes(decoder.model, decoder.cache),
         table_bytes=series.table["bytes after"] if series.table else None,
         source_tok_s=source_tok_s,
@@ -166,10 +171,10 @@ def compiled_run(
     leaves it (``series.prepare``), a decoder of ``decoder_class``, generate, time; its row."""
     series = prepare(backend, after, results.path.parent)
     torch._dynamo.reset()  # count what this step compiles, not a graph an earlier run left cached
-    decoder = decoder_class(series.model, backend, max_len=256)
+    decoder = decoder_class(series.model, backend, max_len=TOUR_MAX_LEN)
     with backend.compile_counter() as count:
         tokens = decoder.generate(series.ids, series.new_tokens)
-    return record_compiled(results, step, label, decoder, series, tokens, count.graphs, source_tok_s)
+    return record_compiled(results, step, label, decoder, series, tokens, count, source_tok_s)
 
 
 def compiled_step(backend: Backend, results: Results) -> dict:
@@ -181,12 +186,19 @@ def table_step(backend: Backend, results: Results) -> dict:
 
 
 def ring_step(backend: Backend, results: Results) -> dict:
-    """Notebook 05's model (4-bit table) on the ring cache."""
-    return compiled_run(backend, results, RING, "ring cache", sources.RING_TOK_S, after=5, decoder_class=RingDecoder)
+    """Notebook 05's model (4-bit table) on the ring cache; its label names the positions it
+    holds (the step's cost grows with them: one label per set-up)."""
+    label = f"ring cache, {TOUR_MAX_LEN:,} positions"
+    return compiled_run(backend, results, RING, label, sources.RING_TOK_S, after=5, decoder_class=RingDecoder)
 
 
 # --- 07 ----------------------------------------------------------------------------------------
-def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = 256) -> list[dict]:
+VARIANTS = ("matvec loops", "int8 linears", "int4 linears", "4-bit head", "fused")  # notebook 07's, in order
+
+
+def measure_variants_in_place(
+    backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = TOUR_MAX_LEN, variants=VARIANTS
+) -> list[dict]:
     """Notebook 07's variants on notebook 05's model, each compiled anew and timed. It changes
     ``series.model`` in place, variant after variant (the model ends as the last one), and drops
     ``series.table``'s report, which no longer describes it. K tokens per compiled call for each
@@ -194,10 +206,15 @@ def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8),
     (``Backend.use_matvec_loops``), kept for the variants after it; then, at K = 1 (each is
     beside a K = 1 row: unrolled K times, a step that dequantizes every weight compiles for
     minutes on a CPU), the linears as int8 codes, as packed int4, the main table and tied head in
-    4-bit too, and then q/k/v and gate/up fused into one matmul each. A row each: same tokens as
-    notebook 03, graphs compiled, seconds of the first call (its compilation), peak device memory
-    where the backend counts it, decode tok/s (median of 3) and spread, weights on the device,
-    and the roofline columns."""
+    4-bit too, and then q/k/v and gate/up fused into one matmul each. ``variants``: which of
+    ``VARIANTS`` are measured (each is a compile: minutes at full size on a CPU); the changes
+    before the last one asked for are made all the same, except int8, which int4 replaces. A row
+    each: same tokens as notebook 03, graphs compiled, seconds of the first call (its
+    compilation), peak device memory where the backend counts it, decode tok/s (median of 3)
+    and spread, weights on the device, and the roofline columns."""
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown variants {sorted(unknown)}: pick from {VARIANTS}")
     model, rows = series.model, []
     series.table = None
     loops = backend.use_matvec_loops()
@@ -206,19 +223,24 @@ def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8),
         torch._dynamo.reset()  # count this variant's compilations only
         backend.reset_peak_memory()
         decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
-        with backend.compile_counter() as count:
-            first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
+        folder = programs.dump_folder() if backend.name == "xla" else None
+        with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
+            with backend.compile_counter() as count:
+                first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
         timed = timed_generate(decoder, series.ids, series.new_tokens, readback_every=max(16, k))
-        memory = backend.memory()
+        memory, verdict = backend.memory(), series.same_tokens(first.last)
         row = {
             "variant": variant,
             "K": k,
-            "same_tokens": bool(series.same_tokens(first.last)),
+            "same_tokens": bool(verdict),
+            "verdict": str(verdict),
             "compiles": count.graphs,
             "first_call_s": first.median,
             "peak_bytes": memory and memory["peak"],
             "weights_bytes": sum(r["bytes"] for r in ck.memory_report(model)),
             **timed_columns(backend, timed["rates"], roofline.step_bytes(model, decoder.cache)),
+            # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.programs
+            **programs.summary(compiled, {programs.hlo_shape(t) for t in kv_buffers(decoder.cache)}),
         }
         rows.append(row)
         return row
@@ -226,16 +248,22 @@ def measure_variants_in_place(backend: Backend, series: Series, ks=(1, 2, 4, 8),
     for k in ks:
         run(f"4-bit table, K={k}", k)
     tail = "K=1" if loops is None else "K=1, matvec loops"
-    if loops is not None:
+    if loops is not None and "matvec loops" in variants:
         run(f"4-bit table, {tail}", 1, loops)
-    keep_linears_compressed(model, series.checkpoint, "int8")
-    run(f"int8 linears, {tail}", 1, loops)
-    keep_linears_compressed(model, series.checkpoint, "int4")
-    run(f"int4 linears, {tail}", 1, loops)
-    keep_embed_in_4bit(model)
-    run(f"int4 linears + 4-bit head, {tail}", 1, loops)
-    fuse_projections(model)
-    run(f"int4 linears + 4-bit head + fused q/k/v, gate/up, {tail}", 1, loops)
+    changes = {
+        "int8 linears": ("int8 linears", lambda: keep_linears_compressed(model, series.checkpoint, "int8")),
+        "int4 linears": ("int4 linears", lambda: keep_linears_compressed(model, series.checkpoint, "int4")),
+        "4-bit head": ("int4 linears + 4-bit head", lambda: keep_embed_in_4bit(model)),
+        "fused": ("int4 linears + 4-bit head + fused q/k/v, gate/up", lambda: fuse_projections(model)),
+    }
+    last = max((VARIANTS.index(v) for v in variants), default=0)
+    for name in VARIANTS[1 : last + 1]:
+        label, change = changes[name]
+        if name == "int8 linears" and name not in variants:
+            continue  # int4 rebuilds the linears from the checkpoint: an unmeasured int8 is no step
+        change()
+        if name in variants:
+            run(f"{label}, {tail}", 1, loops)
     return rows
 
 

@@ -1,3 +1,4 @@
+import pathlib
 import subprocess
 import sys
 
@@ -60,3 +61,13 @@ def test_table_of_dicts():
 def test_run_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("HELPERS_RUN_DIR", str(tmp_path / "x"))
     assert helpers.run_dir() == tmp_path / "x" and (tmp_path / "x").is_dir()
+
+
+def test_run_dir_goes_to_drive_where_it_is_mounted(tmp_path, monkeypatch):
+    monkeypatch.delenv("HELPERS_RUN_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert helpers.run_dir() == pathlib.Path("runs/latest")  # no Drive here
+    mounted = tmp_path / "drive" / "MyDrive"
+    mounted.mkdir(parents=True)
+    monkeypatch.setattr(helpers.bench, "DRIVE_RUNS", str(mounted / "gemma4-on-tpu" / "runs"))
+    assert helpers.run_dir() == mounted / "gemma4-on-tpu" / "runs" and helpers.run_dir().is_dir()

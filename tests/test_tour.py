@@ -15,7 +15,7 @@ def test_tour_runs_every_step_prints_the_table_and_writes_the_chart(tmp_path, ca
         ("03 baseline", "HF generate"),
         ("04 compiled decode", "compiled step"),
         ("05 4-bit table", "4-bit table"),
-        ("06 ring cache", "ring cache"),
+        ("06 ring cache", "ring cache, 256 positions"),
     ]
     assert {r["step"] for r in rows[8:]} == {"07 past the source"}
     assert all(r["same_tokens"] for r in rows[2:4])
