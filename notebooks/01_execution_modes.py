@@ -164,3 +164,14 @@ for mode in backend.modes:
 # 1 for 128x128, 0 again, 1 for 96x96. Under defer-and-fuse the same holds for the fused
 # program: its cache key includes every shape, so a sequence that grows by one token per
 # step (notebook 03) compiles at every step.
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Double the size of the op stack (`helpers.modes.compare_modes(backend, size=512)`). Predict
+#    first: does eager's time per call double? Does compile's? Eager pays a launch per op
+#    whatever the size; a fused program pays for its bytes.
+# 2. Call a compiled function with a new input length each time inside
+#    `backend.compile_counter()`. Predict the graphs counted after 1, 2 and 3 lengths (dynamo
+#    marks a dimension dynamic after its second value), then count.

@@ -145,7 +145,11 @@ assert "linears (276)" in by_name  # the checkpoint's 276 packed linears
 # A Colab kernel that dies of out-of-memory loses everything. Before loading, we estimate
 # the device bytes (everything ends up bf16 on the device, see below) and refuse with the
 # numbers if they exceed what is free. Here for E2B on an empty v5e-1, then on a device
-# with only 8 GB free (both hypothetical: computed, not measured):
+# with only 8 GB free (both hypothetical: computed, not measured), and what each way of
+# holding less saves at E2B, computed from its configuration: the linears kept packed
+# (notebook 07), the per-layer table left in host memory with one row fetched per token
+# (Gemma 3n's documented approach to per-layer embeddings), a smaller ring cache (notebook
+# 06), K and V in int8.
 
 # %%
 v5e_hbm = 16 * 2**30
@@ -154,6 +158,7 @@ try:
     helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
 except helpers.hub.CheckpointError as err:
     print(err)
+print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.e2b.fit_options(e2b)]))
 
 # %% [markdown]
 # ## Path 1: compressed-tensors' default
@@ -256,10 +261,10 @@ fig = helpers.bench.stacked_bars(
 # file (codes x scales, with compressed-tensors' own unpack on the host), run on the same
 # device: bf16 rounding differs between devices.
 #
-# A trap we measured on PyTorch/XLA 2.9 (compressed-tensors 0.15): the default path unpacks
-# on the device at the first forward, and there the unpack returns wrong int4 codes (it
-# shifts int32 words right, and XLA's `>>` of a negative word rounds like a division), so
-# that path's tokens differ. `dequantize=True` unpacks on the host and is right everywhere.
+# *Aside, PyTorch/XLA only (a TPU reader may skip it):* a trap we measured on PyTorch/XLA 2.9
+# (compressed-tensors 0.15): the default path unpacks on the device at the first forward, and
+# there the unpack returns wrong int4 codes (it shifts int32 words right, and XLA's `>>` of a
+# negative word rounds like a division), so that path's tokens differ. `dequantize=True` unpacks on the host and is right everywhere.
 
 # %%
 expected = helpers.checkpoint.check_tokens(backend, checkpoint, ids, new_tokens)
@@ -278,3 +283,13 @@ assert dense_same and default_same == exact_unpack
 
 # %%
 print(results.table(["step", "label", "backend", "load_s", "device_bytes"]))
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Before loading, predict the bytes of each kind `checkpoint.memory_report` will show with
+#    `dequantize=True`, from the shapes alone (notebook 02's name map lists them). Load and
+#    compare.
+# 2. Run `checkpoint.preflight` for a device of 8 GB (`available=8e9`): predict which load
+#    path it refuses, then check. What would fit, using the byte counts above?

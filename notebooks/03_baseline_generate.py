@@ -202,7 +202,30 @@ helpers.steps.record_baseline(results, backend, measured, model, ids.shape[1] + 
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.steps.BASELINE)
 
 # %% [markdown]
-# ## A trap on PyTorch/XLA: prompts shorter than the sliding window
+# ## Why ~5 tokens/s: one launch per op
+# **What we test:** the ops one decode step runs, counted by torch's dispatcher on E2B's real
+# configuration on the meta device (every op, no weights) and on this run's model. In eager
+# mode each op that computes is its own launch from the host; views are bookkeeping. The
+# bytes a step reads, at the v5e's 819 GB/s, would take a few ms: at the source's 5 tok/s they
+# are about 3% of the step, so the rest is the host launching thousands of small programs
+# one after another. Notebook 04 makes the step one program.
+
+# %%
+ops_e2b = helpers.generate.ops_per_step(helpers.e2b.meta_model(helpers.e2b.real_config()))
+ops_here = helpers.generate.ops_per_step(model)
+step_s = 1 / helpers.sources.HF_GENERATE_TOK_S
+read_s = helpers.e2b.step_figures()[0]["bytes_per_token"] / helpers.sources.V5E_BYTES_PER_S
+print(
+    f"E2B: {ops_e2b['compute']:,} ops that compute per decode step (+ {ops_e2b['views']:,} views); this model:"
+    f" {ops_here['compute']:,}. At the source's {helpers.sources.HF_GENERATE_TOK_S} tok/s a step takes"
+    f" {step_s * 1e3:.0f} ms, {step_s / ops_e2b['compute'] * 1e6:.0f} us per op; its bytes at 819 GB/s take"
+    f" {read_s * 1e3:.1f} ms: {100 * read_s / step_s:.1f}% of the step"
+)
+assert ops_e2b["compute"] > 1000 and read_s / step_s < 0.05
+
+# %% [markdown]
+# ## Aside, PyTorch/XLA only: prompts shorter than the sliding window
+# *A TPU reader on TorchTPU may skip this section.*
 # transformers' sliding-window cache keeps the last `window - 1` positions with
 # `keys[:, :, -window + 1:]`. On a CPU, a start before the beginning is clamped; PyTorch/XLA
 # raises "Value out of range" instead. So there, any prompt shorter than the window fails
@@ -228,9 +251,27 @@ print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): 
 # ## The reference tokens
 # Saved in the run folder under a key of model, backend, prompt and length: notebooks 04-06
 # load them, and a mismatch in any of the four is caught rather than compared.
+#
+# On Colab each notebook gets a fresh runtime and a fresh `/content`, so a run folder there
+# lasts one notebook. Mount Google Drive first (`from google.colab import drive;
+# drive.mount("/content/drive")`, before the set-up cell) and the run folder is
+# `MyDrive/gemma4-on-tpu/runs` (`helpers.bench.DRIVE_RUNS`): these tokens and the results
+# table then carry to notebooks 04-07 and their closing charts show every step. Without it,
+# each later notebook makes the reference tokens again (it says so) and charts its own rows.
 
 # %%
 key = helpers.generate.save_reference(checkpoint, backend, ids, new_tokens, tokens)
 assert helpers.generate.load_reference(checkpoint, backend, ids, new_tokens) == tokens
-print("saved:", key)
+print("saved:", key, "| run folder:", helpers.run_dir().resolve())
 print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "source_tok_s"]))
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Predict decode tok/s at twice `new_tokens`. (The step's cost does not depend on the
+#    length here: the same ops per token.) Measure with `helpers.generate.measure`.
+# 2. With `helpers.generate.ops_per_step(model)`, count the ops of one step at a context of 26
+#    and of 260. Predict first whether they differ.
+# 3. From the ops per step and the source's 5 tok/s, predict the tok/s of an eager step with
+#    half the ops; what would have to change in the model for that?

@@ -171,6 +171,54 @@ print("graphs compiled per step with ours, after the first:", 0)
 assert sum(counts) > 1
 
 # %% [markdown]
+# ## Does the step write its cache in place?
+# **What we test:** a decode step writes one position of each KV cache buffer. A program that
+# writes in place reuses the cache's buffers for its outputs (in XLA's words: those inputs are
+# *aliased* to outputs, *donated*); one that does not writes a whole new copy of every buffer
+# per token: at E2B's 131,328 positions, 0.81 GB written per token on top of what the step
+# reads. Inductor (CPU, GPU) writes in place by itself. PyTorch/XLA aliases a compiled graph's
+# input only when the graph marks it a buffer donor, which `Decoder.step` and the prefill do
+# through `Backend.donate`. On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, XLA dumps
+# what it compiles and the cell reads it (`helpers.programs`): per program, the cache buffers,
+# how many are aliased, the bytes copied per call. On a TPU, TorchTPU 0.2.0's compile offers
+# no donation (its sources: a mutated input is functionalized, the program returns a new
+# buffer, and the tensor is pointed at it after the call), so there the step writes a fresh
+# cache every token: a path no machine building this course has run.
+
+# %%
+helpers.show(helpers.backend.Backend.donate)
+audit_folder = helpers.programs.dump_folder()
+if backend.name == "xla" and audit_folder:
+    torch._dynamo.reset()
+    with helpers.programs.captured(audit_folder) as programs:
+        audited = helpers.decode.Decoder(model, backend, MAX_LEN)
+        audited.generate(ids, 4)
+    shapes = {helpers.programs.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
+    audit = [row for row in (helpers.programs.audit(p, shapes) for p in programs) if row["cache_buffers"]]
+    print(
+        helpers.bench.table(
+            audit, ["program", "cache_buffers", "cache_aliased", "cache_bytes_copied", "s64_ops", "total_bytes"]
+        )
+    )
+    assert len(audit) == 2 and all(r["cache_aliased"] == r["cache_buffers"] for r in audit)
+    torch._dynamo.reset()
+    decoder.generate(ids, 2)  # the notebook's decoder, compiled again after the reset
+else:
+    print(f"{backend.name}: no XLA dump to read here (the xla backend with HELPERS_XLA_AUDIT=1 shows it)")
+
+# %% [markdown]
+# ## Where a step's time goes: a profile
+# **What we test:** nothing about speed; 8 compiled decode calls under torch.profiler, the ops
+# with the most time of their own. On a CPU that is the compiled step's kernels and matmuls
+# beside the per-call cost of the call itself (dynamo's guards, the launch); on a GPU the
+# kernels too. On a TPU and on PyTorch/XLA this sees the host's side only (dispatch and
+# waiting for the device); the device's own ops come from the backend's profiler, not run by
+# this course (a path no machine building it has run).
+
+# %%
+print(helpers.decode.profile_steps(decoder, ids))
+
+# %% [markdown]
 # ## Speed, side by side in this run
 # **What we test:** HF `generate` (notebook 03's measure), our loop reading every token
 # back to the host as it is made, and our loop reading back every 16 tokens. The source
@@ -203,7 +251,7 @@ results = helpers.Results()
 rates = runs[16]["rates"]  # the runs above, read back every 16 tokens
 step = helpers.steps.COMPILED
 helpers.steps.record_compiled(
-    results, step, "compiled step", decoder, series, tokens, first.graphs, helpers.sources.COMPILED_STEP_TOK_S, rates
+    results, step, "compiled step", decoder, series, tokens, first, helpers.sources.COMPILED_STEP_TOK_S, rates
 )
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
 print(results.table(["step", "label", "backend", "decode_tok_s", "tok_s_spread", "source_tok_s", "compiles"]))
@@ -213,3 +261,15 @@ print(results.table(["step", "label", "backend", "decode_tok_s", "tok_s_spread",
 # bucket and the step) and none after them; HF's own static cache recompiling at every step
 # until dynamo's limit stops it; and the compiled loop ahead of `generate`, further ahead
 # with chunked readback where each host round trip is expensive (a TPU).
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Vary the readback chunk (`readback_every` 1, 4, 16, 64 in `timed_generate`). Predict
+#    where the rate stops rising: when one host round trip per chunk is small beside the chunk's
+#    steps.
+# 2. Predict tok/s from bytes: `roofline.step_bytes` over this device's read bandwidth gives a
+#    ceiling. Measure and read the % column: what is the gap made of? (The profile cell says.)
+# 3. Build a `Decoder` with `max_len` four times larger. Predict the change in the bytes a
+#    step reads and in tok/s, then measure.

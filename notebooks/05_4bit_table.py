@@ -111,6 +111,39 @@ print(
 assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720 and saved_exact == 3_229_614_080
 
 # %% [markdown]
+# ## What a step reads: the same before and after
+# **What we test:** the bytes one decode step reads at E2B, from the real configuration
+# (`e2b.step_figures`: every weight once, the tied head reading the main table whole, the
+# cache, and of the per-layer table only the current token's row, since a gather reads one
+# row). The row is 17,920 B in bf16 and 5,600 B in 4-bit with float32 steps: the two steps
+# read the same 4.56 GB to within a few kB, so they share one ceiling. What this notebook
+# saves is device memory, not bytes per step.
+
+# %%
+figures = {r["step"]: r for r in helpers.e2b.step_figures()}
+before, after = figures["04 compiled step"], figures["05 4-bit table"]
+cols = ple["shape"][1]
+row_bf16, row_int4 = cols * 2, helpers.packed.int4_bytes(cols, scale_bytes=helpers.packed.TABLE_SCALE_BYTES)
+print(
+    f"one step reads {before['bytes_per_token']:,} B with the bf16 table, {after['bytes_per_token']:,} B with the"
+    f" 4-bit one (a row: {row_bf16:,} B -> {row_int4:,} B); ceiling at 819 GB/s: {before['ceiling_tok_s']:.1f} and"
+    f" {after['ceiling_tok_s']:.1f} tok/s; on the device: {fmt_bytes(before['weights_on_device'])} ->"
+    f" {fmt_bytes(after['weights_on_device'])}"
+)
+assert before["bytes_per_token"] - after["bytes_per_token"] == row_bf16 - row_int4
+assert before["weights_on_device"] - after["weights_on_device"] == saved_exact
+
+# %% [markdown]
+# So the source's 31-33 -> 50 tok/s is not the bytes a step reads: both steps sit at a fifth
+# of the same ceiling (32 and 50 of 179 tok/s at 819 GB/s). Bytes do not explain it; the
+# program does, and only a profile of both steps on the TPU can say which part. Candidates to
+# look for there: a 4.7 GB bf16 table as a gather operand that XLA copies or lays out again
+# (a step-sized op where a row-sized one was meant), and a program at the edge of the 16 GB
+# (the source's compile peaked at 16.6-16.9 GB) that XLA fits by recomputing or moving
+# buffers; 3.23 GB freed takes it off that edge. Notebook 04's profile cell shows where one
+# step's time goes; run it before and after this swap on a TPU and compare the largest ops.
+
+# %% [markdown]
 # ## The lookup, in 4-bit
 # What runs inside the compiled step for every token: gather the token's packed row (eight
 # 4-bit codes per int32 word) and its group scales, unpack, multiply, round as bf16 rounds the
@@ -192,7 +225,7 @@ row = helpers.steps.record_compiled(
     decoder,
     series,
     tokens,
-    compiled.graphs,
+    compiled,
     helpers.sources.TABLE_4BIT_TOK_S,
 )
 rate = row["decode_tok_s"]
@@ -229,8 +262,19 @@ print(
 # %% [markdown]
 # **What you should see:** the table exact on its grid; the same tokens and one compiled
 # step; at E2B scale 3.23 GB less on the device (3.38 GB with bf16 scales, the source's figure,
-# which would not give Google's table back exactly). On a TPU the smaller table also means fewer
-# bytes per step; on the tiny twin the table is a few hundred kB and speed barely moves. The main table in
-# 4-bit keeps the tokens on the twin (its table is on the grid too); whether it pays depends on
-# the device: the head then dequantizes the whole table every step, extra work on a CPU, fewer
-# bytes read on a TPU (at E2B, 226 MB instead of 805 MB).
+# which would not give Google's table back exactly), and the same bytes per step: a gather
+# reads one row either way. On the tiny twin the table is a few hundred kB and speed barely
+# moves. The main table in 4-bit keeps the tokens on the twin (its table is on the grid too);
+# whether it pays depends on the device: the head then dequantizes the whole table every step,
+# extra work on a CPU. On a TPU it reads 226 MB instead of 805 MB at E2B only if XLA fuses the
+# dequantization into the head's matmul; a program that writes the dequantized table out and
+# reads it back moves 805 MB twice more, not less.
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Predict from `e2b.step_figures` how much faster a step is with the 4-bit table on a
+#    device at its ceiling. (Same bytes per step: none.) Then measure both on this machine.
+# 2. Predict the 4-bit table's bytes with bf16 scales instead of float32 ones
+#    (`packed.int4_bytes(..., scale_bytes=2)`), and say why the course keeps float32.

@@ -22,14 +22,17 @@
 # # 07 · Past the source: every step against the memory roofline
 #
 # **What the source measured:** it stopped at 50 tokens/s (38-45 at long context) on a TPU
-# v5e-1, where a pure-JAX engine runs the same model at 135 tokens/s (the engine's own figure,
-# bf16 QAT weights). Decoding one token reads every weight it uses and the KV cache once, so
-# its speed is bounded by the chip's bandwidth over the bytes one step reads: the memory
-# roofline. Google publishes 819 GB/s for a v5e chip.
+# v5e-1, where a pure-JAX engine runs the same model at 135.0 tokens/s with bf16 weights
+# unpacked once at load, 93.7 with the 4-bit weights unpacked every step (xbill9/colab-jax,
+# article 02-e2b-repack-vs-stock), and vLLM at 123.7 tokens/s at context 128 (xbill9/gemma4-dev,
+# serving report): each its author's figure, all in `helpers.sources`. Decoding one token
+# reads every weight it uses and the KV cache once, so its speed is bounded by the chip's
+# bandwidth over the bytes one step reads: the memory roofline. Google publishes 819 GB/s for
+# a v5e chip.
 #
 # Here: the bytes one step reads at each step of the series, at E2B scale, and the ceiling
 # that follows; then the ways past the source, each measured on this machine against its
-# own read bandwidth: K decode steps per compiled call (tokens read back once per call), on a
+# own read bandwidth: K decode steps per compiled call (one dispatch per K tokens), on a
 # CPU the matmuls as loops the compiler writes, the linears kept as int8 codes or packed int4
 # on the device and dequantized inside the step, the main table with its tied head in 4-bit
 # too, and q/k/v and gate/up fused into one matmul each.
@@ -131,7 +134,33 @@ fig = helpers.bench.ceiling_chart(
 # reads it again (the grey bars are the source's measured figures; the ceilings are computed).
 
 # %% [markdown]
+# ## Why decode is bound by bytes, not by compute: the ridge point
+# **What we test:** at batch 1 a step does one multiply-add per weight it reads (each linear,
+# and the head over the main table), 2 FLOPs per weight: in bf16, one FLOP per byte read. A
+# v5e does 197 TFLOP/s in bf16 and reads 819 GB/s (Google's published figures): below 240
+# FLOPs per byte it waits on memory, its ridge point. E2B's step sits two orders of magnitude
+# below it, so only bytes set its speed. More tokens per weight read raise the intensity
+# (a batch of B sequences, or speculative decoding's drafts checked in one pass: B FLOPs per
+# byte per weight); K sequential steps per call do not, since each step reads every weight
+# again.
+
+# %%
+step05 = figures[2]  # notebook 05's step: bf16 linears, 4-bit per-layer table
+flops = step05["flops_per_token"]
+intensity = flops / step05["bytes_per_token"]
+ridge = helpers.sources.V5E_BF16_FLOPS / helpers.sources.V5E_BYTES_PER_S
+print(
+    f"one E2B step: {flops / 1e9:.2f} GFLOP over {fmt_bytes(step05['bytes_per_token'])} read ="
+    f" {intensity:.2f} FLOP/byte; v5e ridge point {ridge:.0f} FLOP/byte. At the v5e's peaks the step's"
+    f" arithmetic takes {flops / helpers.sources.V5E_BF16_FLOPS * 1e3:.3f} ms, its reads"
+    f" {step05['bytes_per_token'] / helpers.sources.V5E_BYTES_PER_S * 1e3:.2f} ms"
+)
+assert intensity < 2 and ridge > 200
+
+# %% [markdown]
 # ## What this device reads at
+# *Aside for CPU and GPU readers: on a TPU the published figure is used, and the matvec loops
+# below are a CPU-only switch. A TPU reader may skip to the results of the variants.*
 # The max of a large tensor reads every byte once and does next to nothing else: its bytes
 # over its time are this device's practical read bandwidth (on a TPU, the published figure
 # instead, labelled so). Not a matrix-vector product: on a CPU, MKL's reads a decode step's
@@ -193,12 +222,22 @@ shown = [
     "GB_per_s",
     "pct_of_bw",
     "weights_bytes",
+    "peak_bytes",
 ]
-print(table(rows, shown))
+audited = [c for c in ("s64_ops", "cache_in_place", "largest_intermediate", "program_bytes") if c in rows[0]]
+print(table(rows, shown + audited))  # the audit columns: xla started with HELPERS_XLA_AUDIT=1 (notebook 04)
 assert all(r["same_tokens"] and r["compiles"] == 2 for r in rows), "every variant: notebook 03's tokens, one compile"
 fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measured in this run")
 
 # %% [markdown]
+# On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, each row also carries what XLA
+# compiled (notebook 04's audit, `helpers.programs`): 64-bit integer ops left (transformers'
+# int64 positions and masks; the 4-bit unpack and the sampling noise are 32-bit), whether every
+# cache buffer is written in place, the largest intermediate buffer (for the 4-bit head: is the
+# whole main table dequantized, or fused into the matmul?) and the program's bytes as XLA
+# assigned them. At the twin's size these are kilobytes; at E2B's, the program must stay under
+# the v5e-1's 16 GB of HBM, where the source's compile peaked at 16.6-16.9 GB.
+#
 # **What you should see:** the same tokens and two compilations everywhere. On a CPU, K > 1
 # saves the per-call overhead (dynamo's guards, the launch), and the matvec loops row is ahead
 # of the K = 1 row above it: the same bytes, read faster (`benchmarks/decode.py` measures it on
@@ -209,9 +248,11 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 # matmuls: it saves launches and reads each input once, but whether that pays depends on the
 # backend's matmuls; read its row against the one before it, measured above in this run. On a
 # v5e-1 (a path no machine building this course has run) look for K > 1 ahead of K = 1 by the
-# host round trips it saves, and for the int8 row: int8 is the one low-precision format with a
-# compute path on v5e, while int4 dequantized in the step pays only if XLA fuses the unpack
-# into the matmul.
+# per-call dispatch it saves: not by readback, since K = 1 already reads tokens back once per
+# 16. `QLinear` is weight-only: it turns int8 or int4 codes into bf16 inside the step and runs
+# a bf16 matmul, so v5e's int8 matrix units (which take int8 activations too: W8A8) are not
+# used; both formats pay only by the bytes they save, and only if XLA fuses the
+# dequantization into the matmul instead of writing the bf16 weight out and reading it back.
 
 # %% [markdown]
 # ## Results
@@ -222,3 +263,15 @@ results = helpers.Results()
 helpers.steps.record_variants(results, backend, rows)
 print(results.table(["step", "label", "backend", "decode_tok_s", "pct_of_bw", "same_tokens", "compiles"]))
 figs = helpers.bench.closing_charts(results)
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Predict each variant's ceiling from its bytes per step (the table at the top) and this
+#    device's read bandwidth, then compare with its row: which variants are held back by compute
+#    rather than bytes?
+# 2. Run K = 8 (`measure_variants_in_place(..., ks=(8,))`). Predict the gain over K = 4 from
+#    the per-call cost you measured between K = 1 and K = 2.
+# 3. Batching raises the FLOPs per byte: predict the batch at which E2B's step would reach the
+#    v5e's ridge point (240 FLOP/byte).

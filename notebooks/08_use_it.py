@@ -227,3 +227,12 @@ ui.submit("Hello!")
 # checkpoint, Gemma. Everything in this notebook past the twin (E2B's sampled prose, its
 # tok/s on a TPU) is a path the course's builders could not run: no TPU and no real weights
 # where it is built.
+
+# %% [markdown]
+# ## Exercises
+# Predict before you measure: write the number down, then run the cell and compare.
+#
+# 1. Predict whether sampling with `top_k=1` gives the greedy tokens, then check with
+#    `helpers.sampling.sampling_config`.
+# 2. Add a stop string that occurs mid-reply; predict how many tokens past it the decoder
+#    computes before it stops (it checks once per readback chunk), then count.
