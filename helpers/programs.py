@@ -95,12 +95,12 @@ def aliased(hlo: str) -> dict[int, int]:
     return {int(param): int(out) for out, param in pairs}
 
 
-def s64_ops(hlo: str) -> tuple[dict[str, int], int]:
+def s64_ops(hlo: str) -> tuple[dict[str, int], tuple[int, str]]:
     """Instructions that make a 64-bit integer value, by opcode, in every computation (a TPU
-    emulates each one), and the most elements one of them makes; inputs, constants and the
-    instructions that only rename data (``NOT_WORK``) are left out."""
+    emulates each one), and the largest array one of them makes (elements, shape); inputs,
+    constants and the instructions that only rename data (``NOT_WORK``) are left out."""
     counts: dict[str, int] = {}
-    largest = 0
+    largest = (0, "")
     for line in hlo.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(", line)
         if not m or m.group(2) in NOT_WORK:
@@ -110,7 +110,7 @@ def s64_ops(hlo: str) -> tuple[dict[str, int], int]:
             continue
         counts[m.group(2)] = counts.get(m.group(2), 0) + 1
         for dims in arrays:
-            largest = max(largest, _count(dims))
+            largest = max(largest, (_count(dims), f"s64[{dims}]"))
     return counts, largest
 
 
@@ -170,7 +170,8 @@ def audit(program: Program, cache_shapes: list[str] | None = None) -> dict:
         "program": program.name,
         "s64_ops": sum(s64.values()),
         "s64_kinds": ", ".join(f"{k} {v}" for k, v in sorted(s64.items(), key=lambda kv: -kv[1])[:4]),
-        "s64_largest": s64_largest,
+        "s64_largest": s64_largest[0],
+        "s64_largest_shape": s64_largest[1],
         "cache_buffers": len(cache),
         "cache_aliased": sum(n in alias for n in cache),
         "cache_bytes_copied": copied,

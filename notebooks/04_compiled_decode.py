@@ -190,8 +190,8 @@ helpers.show(helpers.backend.Backend.donate)
 audit_folder = helpers.programs.dump_folder()
 if backend.name == "xla" and audit_folder:
     torch._dynamo.reset()
-    with helpers.programs.captured(audit_folder) as programs:
-        audited = helpers.decode.Decoder(model, backend, MAX_LEN)
+    with helpers.programs.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
+        audited = helpers.decode.Decoder(model, backend, 2 * MAX_LEN)
         audited.generate(ids, 4)
     shapes = {helpers.programs.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
     audit = [row for row in (helpers.programs.audit(p, shapes) for p in programs) if row["cache_buffers"]]
