@@ -355,6 +355,7 @@ class Verdict:
     failed_at: int | None = None
     near_ties: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     tolerance_ulps: int = NEAR_TIE_ULPS
+    failed_ulps: float | None = None  # the gap at ``failed_at``, in bf16 ulps of the top logit
 
     def __bool__(self) -> bool:
         return self.same
@@ -365,7 +366,11 @@ class Verdict:
         if self.gap is not None and self.first_divergence is not None:
             parts += f" (reference logit gap there {self.gap:.3g})"
         ties = f", {len(self.near_ties)} near tie(s) at {[p for p, _ in self.near_ties]}" if self.near_ties else ""
-        failed = f", token {self.failed_at} is no near tie" if self.failed_at is not None else ""
+        failed = (
+            f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
+            if self.failed_at is not None
+            else ""
+        )
         return f"same tokens: {self.same} ({how}; {parts}{ties}{failed})"
 
 
@@ -398,7 +403,8 @@ def compare_tokens(
     ties = [(i, float(g)) for i, (g, u) in enumerate(zip(gaps, ulps)) if 0 < g <= tolerance_ulps * u]
     failed = next((i for i, (g, u) in enumerate(zip(gaps, ulps)) if g > tolerance_ulps * u), None)
     gap = float(gaps[parted]) if parted is not None and parted < len(tokens) else None
-    return Verdict(failed is None, False, parted, gap, failed, ties, tolerance_ulps)
+    failed_ulps = float(gaps[failed] / ulps[failed]) if failed is not None else None
+    return Verdict(failed is None, False, parted, gap, failed, ties, tolerance_ulps, failed_ulps)
 
 
 def unpack_is_exact(device) -> bool:

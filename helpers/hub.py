@@ -41,7 +41,13 @@ class Checkpoint:
 
     def __str__(self) -> str:
         rev = f" @ {self.revision}" if self.revision else ""
-        kind = "tiny offline twin" if self.tiny else "real checkpoint"
+        kind = (
+            "tiny offline twin"
+            if self.tiny
+            else "synthetic checkpoint"
+            if SYNTHETIC in self.reason
+            else "real checkpoint"
+        )
         return f"{kind}: {self.source}{rev} ({self.reason})"
 
 

@@ -146,9 +146,12 @@ def record_compiled(
     runs, or the given ``runs``) and their spread, same tokens as notebook 03, what the first
     call compiled (``compiled``: its graphs, and its seconds, the compile's cost), the peak
     device memory where the backend counts it, the bytes of weights and cache on the device from
-    their tensors, the 4-bit table's bytes if it has one, and the roofline columns."""
+    their tensors, the 4-bit table's bytes if it has one, the roofline columns, and the tokens
+    after which the compile has paid for itself against notebook 03's rate in this run folder."""
     if runs is None:
         runs = timed_generate(decoder, series.ids, series.new_tokens, readback_every=16)["rates"]
+    timed = timed_columns(decoder.backend, runs, roofline.step_bytes(decoder.model, decoder.cache))
+    baseline = next((r["decode_tok_s"] for r in results.rows() if r["step"] == BASELINE), None)
     return results.add(
         step,
         label,
@@ -160,8 +163,17 @@ def record_compiled(
         device_bytes=device_bytes(decoder.model, decoder.cache),
         table_bytes=series.table["bytes after"] if series.table else None,
         source_tok_s=source_tok_s,
-        **timed_columns(decoder.backend, runs, roofline.step_bytes(decoder.model, decoder.cache)),
+        payback_tokens=payback_tokens(compiled.seconds, baseline, timed["decode_tok_s"]),
+        **timed,
     )
+
+
+def payback_tokens(compile_s: float, before_tok_s: float | None, after_tok_s: float) -> float | None:
+    """Tokens after which a compile of ``compile_s`` seconds has paid for itself: each token
+    saves 1/before - 1/after seconds (None with no earlier rate, or no saving)."""
+    if not before_tok_s or after_tok_s <= before_tok_s:
+        return None
+    return compile_s / (1 / before_tok_s - 1 / after_tok_s)
 
 
 def compiled_run(

@@ -254,7 +254,8 @@ helpers.steps.record_compiled(
     results, step, "compiled step", decoder, series, tokens, first, helpers.sources.COMPILED_STEP_TOK_S, rates
 )
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
-print(results.table(["step", "label", "backend", "decode_tok_s", "tok_s_spread", "source_tok_s", "compiles"]))
+cols = ["step", "label", "backend", "decode_tok_s", "tok_s_spread", "source_tok_s", "compiles", "first_call_s"]
+print(results.table([*cols, "payback_tokens", "peak_bytes"]))  # tokens until the compile paid for itself vs 03
 
 # %% [markdown]
 # **What you should see:** the same tokens as notebook 03; two compilations (the prefill

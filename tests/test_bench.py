@@ -71,3 +71,10 @@ def test_run_dir_goes_to_drive_where_it_is_mounted(tmp_path, monkeypatch):
     mounted.mkdir(parents=True)
     monkeypatch.setattr(helpers.bench, "DRIVE_RUNS", str(mounted / "gemma4-on-tpu" / "runs"))
     assert helpers.run_dir() == mounted / "gemma4-on-tpu" / "runs" and helpers.run_dir().is_dir()
+
+
+def test_a_compile_pays_for_itself_after_the_tokens_it_saves():
+    from helpers.steps import payback_tokens
+
+    assert payback_tokens(10.0, 5.0, 50.0) == pytest.approx(10 / (0.2 - 0.02))  # 55.6 tokens
+    assert payback_tokens(10.0, None, 50.0) is None and payback_tokens(10.0, 50.0, 40.0) is None
