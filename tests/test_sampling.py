@@ -3,6 +3,7 @@ position), frequencies that match generate's probabilities, and stop strings."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
 import helpers
@@ -154,3 +155,16 @@ def test_the_noise_is_the_unsigned_32_bit_hash_computed_in_int32():
         bits = mix64(key ^ torch.arange(3000).view(1, -1))
         expected = -torch.log(-torch.log(((bits >> 8).float() + 0.5) / 2**24))
         assert torch.equal(gumbel(torch.tensor([seed]), positions, 3000), expected)
+
+    made = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:  # viewing the int64 inputs moves no data
+                made.append(out.dtype)
+            return out
+
+    with Watch():
+        gumbel(torch.tensor([7]), positions, 3000)
+    assert torch.int64 not in made and torch.int32 in made  # past reading its int64 inputs, all 32-bit
