@@ -33,6 +33,7 @@ class Checkpoint:
     tiny: bool
     reason: str
     folder: str | None = None  # a local snapshot of ``source`` already at hand (the Hub's cache)
+    synthetic: bool = False  # E2B's layout with random weights (``helpers.synthetic``)
 
     @property
     def name(self) -> str:
@@ -41,13 +42,7 @@ class Checkpoint:
 
     def __str__(self) -> str:
         rev = f" @ {self.revision}" if self.revision else ""
-        kind = (
-            "tiny offline twin"
-            if self.tiny
-            else "synthetic checkpoint"
-            if SYNTHETIC in self.reason
-            else "real checkpoint"
-        )
+        kind = "tiny offline twin" if self.tiny else "synthetic checkpoint" if self.synthetic else "real checkpoint"
         return f"{kind}: {self.source}{rev} ({self.reason})"
 
 
@@ -117,7 +112,9 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
     if asked == "tiny":
         return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
     if asked == SYNTHETIC:  # E2B's size, format and bf16, random weights: for bytes, times and programs
-        return Checkpoint(str(build_synthetic_e2b()), None, False, f"{MODEL_VAR}={SYNTHETIC}, built in the cache")
+        return Checkpoint(
+            str(build_synthetic_e2b()), None, False, f"{MODEL_VAR}={SYNTHETIC}, built in the cache", synthetic=True
+        )
     if asked:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
     if backend.name != "tpu":
