@@ -317,6 +317,13 @@ def generation_length(backend: Backend) -> int:
     return 8 if backend.name == "xla" else 32
 
 
+def timed_length(backend: Backend) -> int:
+    """Tokens per timed decode run: 128, as gpt-fast times (a rate over the twin's 32 tokens
+    is a few milliseconds, mostly noise); on xla, ``generation_length``: HF ``generate``
+    compiles a graph at every step there, and its timings measure the CPU client, not a TPU."""
+    return generation_length(backend) if backend.name == "xla" else 128
+
+
 def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
     """HF ``generate``'s greedy tokens after ``ids``: at most ``new_tokens``, up to and
     including the first stop id, as notebook 03's reference."""

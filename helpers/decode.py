@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from .backend import Backend
 from .bench import time_fn
 from .checkpoint import compression_report, memory_report
-from .sampling import Sampler, Stops
+from .sampling import Sampler, Stops, stop_ids, until_stop
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -276,18 +276,20 @@ def no_recompiles():
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
     """``repeats`` timed runs of exactly ``new_tokens`` (no stop), each after a prefill timed
     alone: prefill seconds (median), and decode tokens/s over the tokens after the first (a
-    run's time less its prefill's), median and per run; ``tokens`` up to the first stop id."""
+    run's time less its prefill's), median and per run; ``tokens``: the runs' tokens up to the
+    first stop id (every run must give the same)."""
     sync = decoder.backend.sync
-    prefills, runs = [], []
+    prefills, runs, outputs = [], [], []
     for _ in range(repeats):  # alternated, so both see the same state of a shared machine
         prefills += time_fn(lambda: decoder.prefill(ids)[0], sync=sync, warmup=0, repeats=1).times
-        runs += time_fn(
-            decoder.generate, ids, new_tokens, readback_every, stop_ids=(), sync=sync, warmup=0, repeats=1
-        ).times
+        run = time_fn(decoder.generate, ids, new_tokens, readback_every, stop_ids=(), sync=sync, warmup=0, repeats=1)
+        runs += run.times
+        outputs.append(run.last)
+    if any(out != outputs[0] for out in outputs):
+        raise AssertionError(f"the {repeats} timed runs of one greedy decoder gave different tokens")
     rates = [(new_tokens - 1) / max(run - prefill, 1e-9) for run, prefill in zip(runs, prefills)]
-    tokens = decoder.generate(ids, new_tokens, readback_every)
     return {
-        "tokens": tokens,
+        "tokens": until_stop(outputs[0], stop_ids(decoder.model)),
         "prefill_s": statistics.median(prefills),
         "decode_tok_s": statistics.median(rates),
         "rates": rates,

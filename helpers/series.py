@@ -24,15 +24,18 @@ class Series:
     ids: torch.Tensor  # the series' chat prompt, [1, L] int64 on the device, BOS first
     new_tokens: int  # the series' generation length on this backend
     reference: list[int]  # notebook 03's tokens (HF generate), up to and including the stop
+    timed_tokens: int  # tokens per timed run on this backend (``checkpoint.timed_length``)
     table: dict | None = None  # notebook 05's report, once the per-layer table is in 4-bit
     _reference_model: torch.nn.Module | None = dataclasses.field(default=None, repr=False)
     _verdicts: dict = dataclasses.field(default_factory=dict, repr=False)  # tokens -> Verdict
 
     def same_tokens(self, tokens: list[int]) -> ck.Verdict:
-        """Whether ``tokens`` are notebook 03's: equal lists where the arithmetic is exact (the
-        float32 twin); in bf16, teacher-forced against the checkpoint's reference model (built
+        """Whether ``tokens`` (a run's, up to its first stop) are notebook 03's, over the
+        ``new_tokens`` notebook 03 made (a timed run makes more): equal lists where the
+        arithmetic is exact (the float32 twin); in bf16, teacher-forced against the checkpoint's reference model (built
         once, on the host, dequantized independently of the series' loading path), where two
         programs may round a near tie differently (``checkpoint.compare_tokens``)."""
+        tokens = tokens[: self.new_tokens]
         if ck.series_dtype(self.checkpoint) == torch.float32:
             return ck.compare_tokens(tokens, self.reference)
         if self._reference_model is None:
@@ -75,7 +78,7 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
     print(backend.describe())
     new_tokens = ck.generation_length(backend)
     reference = generate.reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens, folder)
-    series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference)
+    series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference, ck.timed_length(backend))
     if after >= 4:
         with torch.no_grad():
             model(ids)  # the first forward decompresses the weights, as generate's did

@@ -124,10 +124,10 @@ def baseline_step(backend: Backend, results: Results) -> dict:
     tokens saved for notebooks 04-06."""
     checkpoint, model, tokenizer, ids = load_for_series(backend)
     print(checkpoint)
-    new_tokens = ck.generation_length(backend)
-    measured = measure(model, tokenizer, ids, backend, new_tokens)
-    save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"], results.path.parent)
-    return record_baseline(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
+    new_tokens, timed_tokens = ck.generation_length(backend), ck.timed_length(backend)
+    measured = measure(model, tokenizer, ids, backend, timed_tokens)
+    save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"][:new_tokens], results.path.parent)
+    return record_baseline(results, backend, measured, model, ids.shape[1] + timed_tokens // 2)
 
 
 # --- 04-06 -------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def record_compiled(
     their tensors, the 4-bit table's bytes if it has one, the roofline columns, and the tokens
     after which the compile has paid for itself against notebook 03's rate in this run folder."""
     if runs is None:
-        runs = timed_generate(decoder, series.ids, series.new_tokens, readback_every=16)["rates"]
+        runs = timed_generate(decoder, series.ids, series.timed_tokens, readback_every=16)["rates"]
     timed = timed_columns(decoder.backend, runs, roofline.step_bytes(decoder.model, decoder.cache))
     baseline = next((r["decode_tok_s"] for r in results.rows() if r["step"] == BASELINE), None)
     return results.add(
@@ -239,7 +239,7 @@ def measure_variants_in_place(
         with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
             with backend.compile_counter() as count:
                 first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
-        timed = timed_generate(decoder, series.ids, series.new_tokens, readback_every=max(16, k))
+        timed = timed_generate(decoder, series.ids, series.timed_tokens, readback_every=max(16, k))
         memory, verdict = backend.memory(), series.same_tokens(first.last)
         row = {
             "variant": variant,

@@ -93,6 +93,7 @@ checkpoint, model, tokenizer, ids = helpers.series.load_for_series(backend)
 print(checkpoint)
 print(backend.describe())
 new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla
+timed_tokens = helpers.checkpoint.timed_length(backend)  # per timed run: 128, enough for a steady rate; 8 on xla
 print(f"prompt: {ids.shape[1]} tokens, BOS first: {bool(ids[0, 0] == tokenizer.bos_token_id)}")
 print(tokenizer.decode(ids[0]))
 
@@ -186,19 +187,22 @@ assert ended or not checkpoint.tiny or new_tokens < helpers.twin.ANSWER_TOKENS  
 # ## Prefill and decode, measured
 # **What we test:** prefill seconds and decode tokens/s, each the median over 3 runs
 # after a warm-up run; each step ends with its token on the host, so the device is synced.
-# Timing runs generate exactly `new_tokens` (`eos_token_id=[]`: no stop), so every run times
-# the same count; their tokens, cut after the first stop id, are the ones above.
+# Timing runs generate exactly `timed_tokens` (`eos_token_id=[]`: no stop), so every run times
+# the same count: 128, as gpt-fast times, since a rate over a few milliseconds is mostly noise
+# (the spread below says how steady it is). Their first tokens, cut after the first stop id,
+# are the ones above.
 
 # %%
-measured = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
+measured = helpers.generate.measure(model, tokenizer, ids, backend, timed_tokens)
 print(
-    f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s "
-    f"(the source, TPU v5e-1: ~{helpers.sources.HF_GENERATE_TOK_S} tok/s)"
+    f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s over"
+    f" {timed_tokens} tokens, spread {measured['tok_s_spread']:.2f}x over {measured['repeats']} runs"
+    f" (the source, TPU v5e-1: ~{helpers.sources.HF_GENERATE_TOK_S} tok/s)"
 )
-assert measured["tokens"] == tokens
+assert measured["tokens"][:new_tokens] == tokens
 results = helpers.Results()
 # this step's row, as the tour writes it: the roofline at the run's mean context
-helpers.steps.record_baseline(results, backend, measured, model, ids.shape[1] + new_tokens // 2)
+helpers.steps.record_baseline(results, backend, measured, model, ids.shape[1] + timed_tokens // 2)
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.steps.BASELINE)
 
 # %% [markdown]
@@ -269,7 +273,7 @@ print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "s
 # ## Exercises
 # Predict before you measure: write the number down, then run the cell and compare.
 #
-# 1. Predict decode tok/s at twice `new_tokens`. (The step's cost does not depend on the
+# 1. Predict decode tok/s at twice `timed_tokens`. (The step's cost does not depend on the
 #    length here: the same ops per token.) Measure with `helpers.generate.measure`.
 # 2. With `helpers.generate.ops_per_step(model)`, count the ops of one step at a context of 26
 #    and of 260. Predict first whether they differ.

@@ -79,6 +79,7 @@ backend = helpers.get_backend()
 series = helpers.series.prepare(backend, after=3)  # the model as notebook 03 loaded it
 checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
 new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
+timed_tokens = series.timed_tokens  # tokens per timed run: 128, enough for a steady rate (8 on xla)
 MAX_LEN = 256  # positions the static cache holds: prompt + new tokens must fit
 
 # %% [markdown]
@@ -229,8 +230,8 @@ print(helpers.decode.profile_steps(decoder, ids))
 # same two functions, so it shows these numbers.
 
 # %%
-hf = helpers.generate.measure(model, tokenizer, ids, backend, new_tokens)
-runs = {rb: helpers.decode.timed_generate(decoder, ids, new_tokens, rb) for rb in (1, 16)}  # 3 runs each
+hf = helpers.generate.measure(model, tokenizer, ids, backend, timed_tokens)
+runs = {rb: helpers.decode.timed_generate(decoder, ids, timed_tokens, rb) for rb in (1, 16)}  # 3 runs each
 ours = {rb: run["decode_tok_s"] for rb, run in runs.items()}
 step_bytes = helpers.roofline.step_bytes(model, decoder.cache)
 bandwidth, how = helpers.roofline.read_bandwidth(backend)

@@ -54,6 +54,15 @@ def test_one_prefill_and_one_step_compile_and_the_tokens_are_generates(setup):
     assert tokens == reference and count.graphs == 2
 
 
+def test_timed_runs_make_their_count_past_the_stop_and_give_the_reference_up_to_it(setup):
+    backend, _, _, ids, reference, decoder, _, _ = setup
+    length = decoder.max_len - decoder.bucket(ids.shape[1])  # longer than the reply: the stop is ignored
+    assert length > len(reference)
+    with backend.compile_counter() as count:
+        run = d.timed_generate(decoder, ids, length, readback_every=16, repeats=2)
+    assert run["tokens"] == reference and len(run["rates"]) == 2 and count.graphs == 0
+
+
 def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(setup):
     backend, model, tokenizer, ids, _, decoder, _, _ = setup
     long_run = decoder.max_len - decoder.bucket(ids.shape[1])
