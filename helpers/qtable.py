@@ -128,9 +128,10 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     shifted: the sign bit is cleared first and given back as the top nibble's high bit. All in
     int32: a TPU has no 64-bit integers, XLA would emulate every op over the table in pairs."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    top = (shifts == 28).to(torch.int32) * 8  # the bit the cleared sign bit stood for, in the last nibble
+    top = torch.tensor([0] * 7 + [8], dtype=torch.int32, device=packed.device)  # the sign bit's, in the last nibble
+    negative = packed < packed.new_zeros(())  # an int32 zero: PyTorch/XLA compares with a Python 0 in 64 bits
     nibbles = ((packed & 0x7FFFFFFF).unsqueeze(-1) >> shifts) & 15
-    return ((nibbles | (packed < 0).to(torch.int32).unsqueeze(-1) * top) - 8).flatten(-2)
+    return ((nibbles | negative.to(torch.int32).unsqueeze(-1) * top) - 8).flatten(-2)
 
 
 class QTable(torch.nn.Module):

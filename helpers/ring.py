@@ -123,7 +123,8 @@ class RingCache(Cache):
         q = positions[:, None]
         ring = torch.cat([self.slot_positions, positions])[None, :]
         sliding = (ring <= q) & (ring > q - self.window) & (ring != EMPTY)
-        full = torch.arange(self.max_len, device=q.device)[None, :] <= q
+        # in int32: a [chunk, max_len] comparison, 64-bit work a TPU emulates in pairs otherwise
+        full = torch.arange(self.max_len, dtype=torch.int32, device=q.device)[None, :] <= q.to(torch.int32)
         return {"sliding_attention": self._as_mask(sliding), "full_attention": self._as_mask(full)}
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:

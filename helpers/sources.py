@@ -25,6 +25,7 @@ JAX_BF16_TOK_S = 135.0  # a pure-JAX engine, bf16 weights unpacked once at load 
 JAX_W4_TOK_S = 93.7  # the same engine, the 4-bit weights unpacked every step (same article)
 VLLM_TOK_S = 123.7  # vLLM on TPU, one request at context 128 (xbill9/gemma4-dev, serving report)
 
-# Google's published HBM bandwidth and bf16 peak of one TPU v5e chip.
+# Google's published HBM bandwidth, bf16 peak and HBM size of one TPU v5e chip.
 V5E_BYTES_PER_S = 819e9
 V5E_BF16_FLOPS = 197e12
+V5E_HBM_BYTES = 16e9

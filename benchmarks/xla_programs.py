@@ -1,0 +1,159 @@
+"""The series' compiled programs at E2B's shapes, as XLA compiles them (issue 25): for each
+program notebooks 04-07 hand the compiler (the prefill and the decode step of each model, the
+ring's prefill chunk and step at 131,328 positions, notebook 07's variants), the audit of
+``helpers.programs``: 64-bit integer ops, the KV cache buffers aliased input to output (and
+the bytes copied per call where not), the largest intermediate, and the program's memory as
+XLA's buffer assignment sizes it (inputs, outputs, temporaries: the most it holds at once),
+beside the 16 GB of a TPU v5e-1 and the source's 16.6-16.9 GB compile peak.
+
+    .venv-xla/bin/python benchmarks/xla_programs.py [--max-len 256] [--ks 1 4] [--variants ...]
+
+Computed by XLA's CPU compiler (PyTorch/XLA's CPU client), not a TPU's: the TPU compiler fuses
+and lays out differently, so its figures differ, but what a program takes as input, aliases and
+computes in 64-bit integers is the program's own. The weights are zeros with the real shapes and
+dtypes (the model is built from the checkpoint's configuration on the meta device, then
+allocated on the device): a program does not depend on the values it is given. Notebook 07's
+linears come from the checkpoint's own packed codes (``HELPERS_MODEL``: the synthetic E2B by
+default, built once into the cache; ``tiny``: the twin, in a minute).
+"""
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("HELPERS_BACKEND", "xla")
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+
+import torch  # noqa: E402
+from transformers import AutoConfig, Gemma4ForCausalLM  # noqa: E402
+
+import helpers  # noqa: E402
+from helpers import decode, hub, programs, sources  # noqa: E402
+from helpers.bench import fmt_bytes, table  # noqa: E402
+from helpers.fused import fuse_projections  # noqa: E402
+from helpers.qlinear import keep_linears_compressed  # noqa: E402
+from helpers.qtable import QTable, keep_embed_in_4bit  # noqa: E402
+from helpers.ring import RingDecoder  # noqa: E402
+from helpers.synthetic import SYNTHETIC  # noqa: E402
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--max-len", type=int, default=256, help="positions the static cache holds (04, 05, 07)")
+parser.add_argument("--ks", type=int, nargs="*", default=[1], help="notebook 07's K tokens per call")
+parser.add_argument(
+    "--variants",
+    nargs="*",
+    default=["int4 linears", "4-bit head", "fused"],
+    help="notebook 07's variants after the 4-bit table, in order",
+)
+args = parser.parse_args()
+
+os.environ.setdefault(programs.AUDIT_VAR, "1")  # before the backend starts: XLA reads its flags once
+os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
+backend = helpers.get_backend()
+if backend.name != "xla":
+    raise SystemExit(f"this reads what XLA compiles: run it with the xla backend (got {backend.name})")
+folder = programs.dump_folder()
+checkpoint = hub.choose_checkpoint(backend)
+print(backend.describe())
+print(checkpoint, "| XLA dumps into", folder)
+
+config = AutoConfig.from_pretrained(hub.local_folder(checkpoint)).get_text_config()
+config.torch_dtype = torch.bfloat16
+with torch.device("meta"):
+    model = Gemma4ForCausalLM(config).to(torch.bfloat16)
+model.to_empty(device=backend.device)  # the real shapes and dtypes, allocated on the device
+for tensor in [*model.parameters(), *model.buffers()]:
+    tensor.data.zero_()
+model.tie_weights()
+model.eval()
+backend.flush()  # the zeros made now, as device data: inputs of every program below
+print(f"the text model, zeros: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} G parameters")
+
+ids = torch.arange(3, 3 + 28, device=backend.device)[None]  # 28 tokens, as the series' chat prompt
+rows = []
+
+
+def audit(what: str, decoder) -> None:
+    """Compile ``decoder``'s programs (a run of a few tokens) and add a row for each."""
+    torch._dynamo.reset()
+    shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
+    start = time.perf_counter()
+    with programs.captured(folder) as compiled:
+        decoder.generate(ids, 1 + 2 * decoder.tokens_per_call, stop_ids=())
+    seconds = time.perf_counter() - start
+    for program in compiled:
+        row = programs.audit(program, shapes)
+        if not row["cache_buffers"]:
+            continue  # not one of the decoder's programs (a copy, a seed)
+        step = any(s.startswith("s64[1,1]") for s in programs.parameters(program.hlo).values())  # fed one token
+        rows.append(
+            {
+                "what": what,
+                "program": f"{'step' if step else 'prefill'} ({row['program'].split('.')[0]})",
+                "s64_ops": row["s64_ops"],
+                "s64_kinds": row["s64_kinds"],
+                "s64_largest": row["s64_largest_shape"],
+                "cache_aliased": f"{row['cache_aliased']}/{row['cache_buffers']}",
+                "copied_per_call": fmt_bytes(row["cache_bytes_copied"]),
+                "largest_intermediate": fmt_bytes(row["largest_intermediate"]),
+                "largest_is": row["largest_is"][:60],
+                "inputs": fmt_bytes(row["parameters_bytes"]),
+                "temporaries": fmt_bytes(row["temporaries_bytes"]),
+                "total": fmt_bytes(row["total_bytes"]),
+                "of_16GB": f"{100 * row['total_bytes'] / sources.V5E_HBM_BYTES:.0f}%",
+                "bytes": row["total_bytes"],
+                "first_run_s": round(seconds, 1),
+            }
+        )
+    print(table([{k: v for k, v in r.items() if k not in ("bytes", "largest_is")} for r in rows if r["what"] == what]))
+
+
+audit("04 compiled step (bf16 per-layer table)", decode.Decoder(model, backend, args.max_len))
+
+# 05: the per-layer table as notebook 05 keeps it: packed int4 words and float32 steps (E2B's
+# are finer than bf16), here zeros of those shapes
+old = model.model.embed_tokens_per_layer
+rows_, cols = old.num_embeddings, old.embedding_dim
+packed = torch.zeros(rows_, cols // 8, dtype=torch.int32, device=backend.device)
+scales = torch.zeros(rows_, cols // 32, dtype=torch.float32, device=backend.device)
+model.model.embed_tokens_per_layer = QTable(packed, scales, old.scalar_embed_scale, old.weight.dtype)
+del old, packed, scales
+backend.flush()
+audit("05 4-bit per-layer table", decode.Decoder(model, backend, args.max_len))
+audit(f"06 ring, {sources.CONTEXT:,} positions", RingDecoder(model, backend, sources.CONTEXT))
+for k in args.ks:
+    if k > 1:
+        audit(f"07 4-bit table, K={k}", decode.Decoder(model, backend, args.max_len, tokens_per_call=k))
+
+
+def head_in_4bit() -> dict:
+    """Notebook 07's 4-bit head: the main table's grid recovered on the host (zeros: on any grid),
+    the packed table and its tied head back on the device."""
+    model.model.embed_tokens.to("cpu")
+    report = keep_embed_in_4bit(model)
+    model.model.embed_tokens.to(backend.device)
+    return report
+
+
+changes = {
+    "int8 linears": lambda: keep_linears_compressed(model, checkpoint, "int8"),
+    "int4 linears": lambda: keep_linears_compressed(model, checkpoint, "int4"),
+    "4-bit head": head_in_4bit,
+    "fused": lambda: fuse_projections(model),
+}
+labels = {"int4 linears": "int4 linears", "4-bit head": "+ 4-bit head", "fused": "+ fused q/k/v, gate/up"}
+for name in args.variants:
+    if name not in changes:
+        raise SystemExit(f"unknown variant {name!r}: pick from {list(changes)}")
+    print(name, changes[name]())
+    backend.flush()
+    audit(f"07 {labels.get(name, name)}", decode.Decoder(model, backend, args.max_len))
+
+print(f"\n{checkpoint.name}: every program, as XLA's CPU compiler assigned its buffers")
+print(table([{k: v for k, v in r.items() if k != "bytes"} for r in rows]))
+worst = max(rows, key=lambda r: r["bytes"])
+low, high = sources.COMPILE_PEAK_BYTES
+print(
+    f"largest program: {worst['what']} ({worst['program']}), {worst['total']}, {worst['of_16GB']} of a v5e-1's"
+    f" 16 GB HBM (the source measured its compile's peak at {low / 1e9:.1f}-{high / 1e9:.1f} GB on the TPU)"
+)
