@@ -25,7 +25,7 @@ os.environ.setdefault("HELPERS_BACKEND", "xla")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
-from transformers import AutoConfig, Gemma4ForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import helpers  # noqa: E402
 from helpers import decode, hub, programs, sources  # noqa: E402
@@ -58,15 +58,14 @@ print(backend.describe())
 print(checkpoint, "| XLA dumps into", folder)
 
 config = AutoConfig.from_pretrained(hub.local_folder(checkpoint)).get_text_config()
-config.torch_dtype = torch.bfloat16
 with torch.device("meta"):
-    model = Gemma4ForCausalLM(config).to(torch.bfloat16)
-model.to_empty(device=backend.device)  # the real shapes and dtypes, allocated on the device
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # as loading makes it: buffers too
+model.to_empty(device="cpu")  # allocated on the host first: a device's empty() is lazy work for XLA
 for tensor in [*model.parameters(), *model.buffers()]:
     tensor.data.zero_()
+model.to(backend.device)  # tensor by tensor: each host copy is freed once it is on the device
 model.tie_weights()
 model.eval()
-backend.flush()  # the zeros made now, as device data: inputs of every program below
 print(f"the text model, zeros: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} G parameters")
 
 ids = torch.arange(3, 3 + 28, device=backend.device)[None]  # 28 tokens, as the series' chat prompt
