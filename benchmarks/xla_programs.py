@@ -40,6 +40,13 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-len", type=int, default=256, help="positions the static cache holds (04, 05, 07)")
 parser.add_argument("--ks", type=int, nargs="*", default=[1], help="notebook 07's K tokens per call")
 parser.add_argument(
+    "--ring-chunk",
+    type=int,
+    default=128,
+    help="the ring's prefill chunk (notebook 06: one window, 512 at E2B; at 131,328 positions that program's"
+    " float32 attention scores took this 24 GB host out of memory when it ran, after it compiled)",
+)
+parser.add_argument(
     "--variants",
     nargs="*",
     default=["int4 linears", "4-bit head", "fused"],
@@ -98,7 +105,9 @@ def audit(what: str, decoder) -> None:
                 "largest_is": row["largest_is"][:60],
                 "inputs": fmt_bytes(row["parameters_bytes"]),
                 "temporaries": fmt_bytes(row["temporaries_bytes"]),
+                "f32_input_copies": fmt_bytes(row["upcast_bytes"]),
                 "total": fmt_bytes(row["total_bytes"]),
+                "total_less_copies": fmt_bytes(row["total_bytes"] - row["upcast_bytes"]),
                 "of_16GB": f"{100 * row['total_bytes'] / sources.V5E_HBM_BYTES:.0f}%",
                 "bytes": row["total_bytes"],
                 "first_run_s": round(seconds, 1),
@@ -112,14 +121,25 @@ audit("04 compiled step (bf16 per-layer table)", decode.Decoder(model, backend, 
 # 05: the per-layer table as notebook 05 keeps it: packed int4 words and float32 steps (E2B's
 # are finer than bf16), here zeros of those shapes
 old = model.model.embed_tokens_per_layer
-rows_, cols = old.num_embeddings, old.embedding_dim
-packed = torch.zeros(rows_, cols // 8, dtype=torch.int32, device=backend.device)
-scales = torch.zeros(rows_, cols // 32, dtype=torch.float32, device=backend.device)
+n_rows, cols = old.num_embeddings, old.embedding_dim
+packed = torch.zeros(n_rows, cols // 8, dtype=torch.int32, device=backend.device)
+scales = torch.zeros(n_rows, cols // 32, dtype=torch.float32, device=backend.device)
 model.model.embed_tokens_per_layer = QTable(packed, scales, old.scalar_embed_scale, old.weight.dtype)
 del old, packed, scales
 backend.flush()
 audit("05 4-bit per-layer table", decode.Decoder(model, backend, args.max_len))
-audit(f"06 ring, {sources.CONTEXT:,} positions", RingDecoder(model, backend, sources.CONTEXT))
+# at 131,328 positions each full layer's chunk scores every position the ring holds
+ring_chunk = min(args.ring_chunk, config.sliding_window)  # no longer than the window (RingCache)
+ring = RingDecoder(model, backend, sources.CONTEXT, chunk_size=ring_chunk)
+heads = config.num_attention_heads
+for chunk in sorted({ring_chunk, config.sliding_window}):
+    print(
+        f"a prefill chunk of {chunk} at {sources.CONTEXT:,} positions: float32 scores of a full layer,"
+        f" {heads} heads x {chunk} x {sources.CONTEXT:,} x 4 B = {fmt_bytes(heads * chunk * sources.CONTEXT * 4)}"
+    )
+audit(f"06 ring, {sources.CONTEXT:,} positions, chunks of {ring_chunk}", ring)
+del ring  # its cache: 0.81 GB at E2B
+
 for k in args.ks:
     if k > 1:
         audit(f"07 4-bit table, K={k}", decode.Decoder(model, backend, args.max_len, tokens_per_call=k))

@@ -151,6 +151,29 @@ def assigned_bytes(program: Program) -> dict[str, int]:
     return sizes
 
 
+def _union(spans: list[tuple[int, int]]) -> int:
+    """Bytes covered by (start, stop) spans, counting overlaps once."""
+    total, end = 0, 0
+    for start, stop in sorted(spans):
+        total, end = total + max(0, stop - max(start, end)), max(end, stop)
+    return total
+
+
+def upcast_bytes(program: Program) -> int:
+    """Temporary bytes holding float32 copies of bfloat16 inputs (where they lie in the buffer
+    assignment, shared space counted once): XLA's CPU compiler computes a bf16 matmul in
+    float32, so it converts the weight first; a TPU's matrix unit takes bf16 as it is."""
+    copies = {s.split("{")[0].replace("bf16[", "f32[") for s in parameters(program.hlo).values() if "bf16[" in s}
+    total = 0
+    for block in program.buffers.split("\nallocation ")[1:]:
+        head = block.split("\n", 1)[0]
+        if any(tag in head for tag in ("parameter", "maybe-live-out", "constant", "thread-local")):
+            continue
+        found = re.finditer(r"\(size=(\d+),offset=(\d+)\): (\S+)", block)
+        total += _union([(int(m[2]), int(m[2]) + int(m[1])) for m in found if m[3].split("{")[0] in copies])
+    return total
+
+
 def hlo_shape(tensor) -> str:
     """A tensor's shape as HLO writes it, e.g. ``bf16[1,1,256,64]``."""
     dtype = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int32": "s32", "int64": "s64"}
@@ -178,6 +201,7 @@ def audit(program: Program, cache_shapes: list[str] | None = None) -> dict:
         "largest_intermediate": size,
         "largest_is": what,
         **{f"{k}_bytes": v for k, v in assigned_bytes(program).items()},
+        "upcast_bytes": upcast_bytes(program),
     }
 
 

@@ -97,12 +97,15 @@ def test_the_audit_reads_an_hlo_module_and_its_buffer_assignment():
         "allocation 2: size 640, preallocated-temp:\n"
         " value: <3 fusion.1 @0> (size=512,offset=0): f32[128]{0}\n"
         " value: <4 fusion.2 @0> (size=128,offset=512): f32[32]{0}\n"
+        " value: <5 convert.1 @0> (size=512,offset=0): f32[1,2,16,4]{3,2,1,0}\n"  # p2 in f32, sharing fusion.1's place
+        " value: <6 convert.2 @0> (size=512,offset=256): f32[1,2,16,4]{3,2,1,0}\n"
     )
     row = programs.audit(programs.Program("m", hlo, buffers), {"bf16[1,2,16,4]", "f32[8]"})
     assert (row["s64_ops"], row["s64_largest"], row["s64_largest_shape"]) == (2, 4, "s64[4]")  # not the parameter
     assert (row["cache_buffers"], row["cache_aliased"], row["cache_bytes_copied"]) == (2, 1, 32)
     assert (row["largest_intermediate"], row["largest_is"]) == (512, "fusion.1 @0: f32[128]{0}")
     assert (row["parameters_bytes"], row["outputs_bytes"], row["temporaries_bytes"]) == (32, 256, 640)
+    assert row["upcast_bytes"] == 768  # two f32 copies of the bf16 input, overlapping by 256 B
     assert programs.hlo_shape(torch.zeros(1, 2, 16, 4, dtype=torch.bfloat16)) == "bf16[1,2,16,4]"
 
 
