@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import helpers  # noqa: E402
-from helpers import decode, hub, programs, sources  # noqa: E402
+from helpers import decode, e2b, hub, programs, sources  # noqa: E402
 from helpers.bench import fmt_bytes, table  # noqa: E402
 from helpers.fused import fuse_projections  # noqa: E402
 from helpers.qlinear import keep_linears_compressed  # noqa: E402
@@ -77,6 +77,7 @@ print(f"the text model, zeros: {sum(p.numel() for p in model.parameters()) / 1e9
 
 ids = torch.arange(3, 3 + 28, device=backend.device)[None]  # 28 tokens, as the series' chat prompt
 rows = []
+whole = f"{config.vocab_size},{config.hidden_size}"  # the main table's shape, as HLO writes it
 
 
 def audit(what: str, decoder) -> None:
@@ -110,10 +111,16 @@ def audit(what: str, decoder) -> None:
                 "total_less_copies": fmt_bytes(row["total_bytes"] - row["upcast_bytes"]),
                 "of_16GB": f"{100 * row['total_bytes'] / sources.V5E_HBM_BYTES:.0f}%",
                 "bytes": row["total_bytes"],
+                "table_made_whole": any(
+                    shape.split("{")[0] in (f"f32[{whole}]", f"bf16[{whole}]")
+                    for allocation in programs.temporaries(program)
+                    for _, _, _, shape in allocation
+                ),
                 "first_run_s": round(seconds, 1),
             }
         )
-    print(table([{k: v for k, v in r.items() if k not in ("bytes", "largest_is")} for r in rows if r["what"] == what]))
+    hidden = ("bytes", "table_made_whole", "largest_is")
+    print(table([{k: v for k, v in r.items() if k not in hidden} for r in rows if r["what"] == what]))
 
 
 audit("04 compiled step (bf16 per-layer table)", decode.Decoder(model, backend, args.max_len))
@@ -131,11 +138,11 @@ audit("05 4-bit per-layer table", decode.Decoder(model, backend, args.max_len))
 # at 131,328 positions each full layer's chunk scores every position the ring holds
 ring_chunk = min(args.ring_chunk, config.sliding_window)  # no longer than the window (RingCache)
 ring = RingDecoder(model, backend, sources.CONTEXT, chunk_size=ring_chunk)
-heads = config.num_attention_heads
 for chunk in sorted({ring_chunk, config.sliding_window}):
+    sizes = e2b.full_attention_bytes(config, sources.CONTEXT, chunk)
     print(
-        f"a prefill chunk of {chunk} at {sources.CONTEXT:,} positions: float32 scores of a full layer,"
-        f" {heads} heads x {chunk} x {sources.CONTEXT:,} x 4 B = {fmt_bytes(heads * chunk * sources.CONTEXT * 4)}"
+        f"a prefill chunk of {chunk} at {sources.CONTEXT:,} positions, in a full layer (computed): float32 scores"
+        f" {fmt_bytes(sizes['scores'])}, K repeated for each query head {fmt_bytes(sizes['k_repeated'])} in bf16"
     )
 audit(f"06 ring, {sources.CONTEXT:,} positions, chunks of {ring_chunk}", ring)
 del ring  # its cache: 0.81 GB at E2B
@@ -169,10 +176,17 @@ for name in args.variants:
     audit(f"07 {labels.get(name, name)}", decode.Decoder(model, backend, args.max_len))
 
 print(f"\n{checkpoint.name}: every program, as XLA's CPU compiler assigned its buffers")
-print(table([{k: v for k, v in r.items() if k != "bytes"} for r in rows]))
+print(table([{k: v for k, v in r.items() if k not in ("bytes", "table_made_whole")} for r in rows]))
 worst = max(rows, key=lambda r: r["bytes"])
 low, high = sources.COMPILE_PEAK_BYTES
 print(
     f"largest program: {worst['what']} ({worst['program']}), {worst['total']}, {worst['of_16GB']} of a v5e-1's"
     f" 16 GB HBM (the source measured its compile's peak at {low / 1e9:.1f}-{high / 1e9:.1f} GB on the TPU)"
 )
+head = [r for r in rows if "4-bit head" in r["what"] and r["program"].startswith("step")]
+if head:
+    print(
+        f"the 4-bit head's step: largest intermediate {head[0]['largest_intermediate']} ({head[0]['largest_is']});"
+        f" the main table dequantized ([{whole}], {fmt_bytes(config.vocab_size * config.hidden_size * 2)} in bf16):"
+        f" {'made whole' if head[0]['table_made_whole'] else 'never made whole (fused into its matmul)'}"
+    )

@@ -72,6 +72,18 @@ def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int 
     return total
 
 
+def full_attention_bytes(config, positions: int, chunk: int = 1) -> dict[str, int]:
+    """Two arrays eager attention makes in a full-attention layer holding ``positions``, for a
+    ``chunk`` of queries: K (as V) repeated for every query head (``repeat_kv``, bf16), and the
+    float32 scores."""
+    layer = next(c for c, kind in zip(config.per_layer_config, config.layer_types) if kind == "full_attention")
+    heads = config.num_attention_heads
+    return {
+        "k_repeated": heads * positions * layer.head_dim * 2,
+        "scores": heads * chunk * positions * 4,
+    }
+
+
 def estimate_device_bytes(config, dequantize: bool) -> int:
     """Device bytes the text decoder will hold once it has run a forward: compressed-tensors
     expands every packed weight to bf16 either at load (dequantize) or on the first forward,

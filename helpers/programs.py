@@ -121,18 +121,25 @@ def _count(dims: str) -> int:
     return count
 
 
-def largest_intermediate(program: Program) -> tuple[int, str]:
-    """The largest buffer XLA assigned that is neither an input nor an output nor a constant
-    (bytes and what it holds), from the buffer assignment; (0, "") if it has none."""
-    best, what = 0, ""
+def temporaries(program: Program) -> list[list[tuple]]:
+    """The values of each temporary allocation (neither an input nor an output nor a constant)
+    in the buffer assignment: (bytes, offset, name, shape) per value, one list per allocation
+    (offsets are within it)."""
+    found = []
     for block in program.buffers.split("\nallocation ")[1:]:
         head = block.split("\n", 1)[0]
         if any(tag in head for tag in ("parameter", "maybe-live-out", "constant", "thread-local")):
             continue
-        for m in re.finditer(r"value: <\d+ ([^>]+)> \(size=(\d+),offset=\d+\): (.+)", block):
-            if int(m.group(2)) > best:
-                best, what = int(m.group(2)), f"{m.group(1)}: {m.group(3).strip()}"
-    return best, what
+        values = re.finditer(r"value: <\d+ ([^>]+)> \(size=(\d+),offset=(\d+)\): (\S+)", block)
+        found.append([(int(m[2]), int(m[3]), m[1], m[4]) for m in values])
+    return found
+
+
+def largest_intermediate(program: Program) -> tuple[int, str]:
+    """The largest temporary value XLA assigned (bytes and what it holds); (0, "") if none."""
+    values = [v for allocation in temporaries(program) for v in allocation]
+    size, _, name, shape = max(values, default=(0, 0, "", ""), key=lambda v: v[0])
+    return size, f"{name}: {shape}" if size else ""
 
 
 def assigned_bytes(program: Program) -> dict[str, int]:
@@ -164,14 +171,10 @@ def upcast_bytes(program: Program) -> int:
     assignment, shared space counted once): XLA's CPU compiler computes a bf16 matmul in
     float32, so it converts the weight first; a TPU's matrix unit takes bf16 as it is."""
     copies = {s.split("{")[0].replace("bf16[", "f32[") for s in parameters(program.hlo).values() if "bf16[" in s}
-    total = 0
-    for block in program.buffers.split("\nallocation ")[1:]:
-        head = block.split("\n", 1)[0]
-        if any(tag in head for tag in ("parameter", "maybe-live-out", "constant", "thread-local")):
-            continue
-        found = re.finditer(r"\(size=(\d+),offset=(\d+)\): (\S+)", block)
-        total += _union([(int(m[2]), int(m[2]) + int(m[1])) for m in found if m[3].split("{")[0] in copies])
-    return total
+    return sum(
+        _union([(offset, offset + size) for size, offset, _, shape in allocation if shape.split("{")[0] in copies])
+        for allocation in temporaries(program)
+    )
 
 
 def hlo_shape(tensor) -> str:
