@@ -208,6 +208,24 @@ else:
     print(f"{backend.name}: no XLA dump to read here (the xla backend with HELPERS_XLA_AUDIT=1 shows it)")
 
 # %% [markdown]
+# **What you should see:** on `xla` with the audit on, every cache buffer aliased in both
+# programs and 0 bytes copied. At E2B's shapes the same holds: `benchmarks/xla_programs.py`
+# (XLA's CPU compiler, 2026-12-05, output in `benchmarks/`) reads 30 of 30 cache buffers
+# aliased in this notebook's prefill and step, and in every program of notebooks 05-07,
+# the 131,328-position ring's included. On a TPU, look for the same in TorchTPU's
+# program: a step whose outputs include a whole new cache is copying it.
+#
+# The `s64_ops` column is not 0, and cannot be from PyTorch: its index ops (`index_copy_`, which
+# writes the cache, `gather`, `embedding`) take int64 indices, so the positions, the masks
+# built from them and the ids stay 64-bit. A TPU emulates each such op in 32-bit pairs; what
+# matters is their size. At E2B the largest is a mask: 8,192 values (`[1, 1, 32, 256]`) in the
+# programs of notebooks 04, 05 and 07, 81,920 (`[128, 640]`) in the ring's prefill chunk of 128:
+# no 64-bit work over a table row or the vocabulary (the 4-bit
+# unpack, the sampling noise and the ring's 131,328-position mask are 32-bit; the xla job tests
+# it). PyTorch/XLA's `XLA_USE_32BIT_LONG=1` would make them all 32-bit; torch_xla 2.9 crashed
+# with it on this course's steps.
+
+# %% [markdown]
 # ## Where a step's time goes: a profile
 # **What we test:** nothing about speed; 8 compiled decode calls under torch.profiler, the ops
 # with the most time of their own. On a CPU that is the compiled step's kernels and matmuls

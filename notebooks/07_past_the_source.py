@@ -238,6 +238,20 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 # assigned them. At the twin's size these are kilobytes; at E2B's, the program must stay under
 # the v5e-1's 16 GB of HBM, where the source's compile peaked at 16.6-16.9 GB.
 #
+# At E2B's shapes, read from XLA's CPU compiler by `benchmarks/xla_programs.py` (2026-12-05,
+# output in `benchmarks/`; zero weights of the real shapes, a program does not depend on the
+# values): every cache buffer of every program aliased (30 of 30, nothing copied per call); the
+# decode step's inputs 9.26 GB (notebook 04), 6.03 GB (05, 4-bit table), 3.33 GB (int4
+# linears), 2.76 GB (+ 4-bit head). The CPU compiler adds float32 copies of bf16 weights (it
+# computes bf16 matmuls in float32; a TPU's matrix unit takes bf16), 2.26 GB in a step and
+# 7.51 GB in a prefill: without them notebook 04's programs hold 9.27 GB, 58% of the 16 GB.
+# With them its prefill needs 16.78 GB, the source's 16.6-16.9 GB: a compiler that materializes
+# weight-sized intermediates is the suspect to look for in a TPU program's peak. The 4-bit
+# head never makes the dequantized main table whole (no buffer of its [262144, 1536] shape:
+# the unpack is fused into its matmul); the int4 linears' dequantized weights are (75.5 MB the
+# largest, 2.27 GB at once in a step on this compiler): what a TPU compiler does with them is
+# the question to ask of its own dump.
+#
 # **What you should see:** the same tokens and two compilations everywhere. On a CPU, K > 1
 # saves the per-call overhead (dynamo's guards, the launch), and the matvec loops row is ahead
 # of the K = 1 row above it: the same bytes, read faster (`benchmarks/decode.py` measures it on

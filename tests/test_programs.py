@@ -66,6 +66,17 @@ def test_no_64_bit_integer_work_over_a_table_row_or_the_vocabulary(xla_series):
 
 
 @needs_xla
+def test_the_rings_masks_over_its_full_buffer_are_32_bit(xla_series):
+    """The ring's full layers see max_len positions: a [chunk, max_len] comparison per program,
+    int32 (an odd max_len, so no other dimension matches it)."""
+    max_len = 97
+    _, rows = _audits(RingDecoder(xla_series.model, helpers.get_backend(), max_len=max_len), xla_series)
+    assert len(rows) == 2
+    for row in rows:
+        assert str(max_len) not in row["s64_largest_shape"][4:-1].split(","), row
+
+
+@needs_xla
 def test_the_4bit_table_dequantizes_only_the_rows_it_gathers(xla_series):
     table = xla_series.model.model.embed_tokens_per_layer
     assert isinstance(table, qtable.QTable)
