@@ -167,7 +167,7 @@ changes = {
     "4-bit head": head_in_4bit,
     "fused": lambda: fuse_projections(model),
 }
-labels = {"int4 linears": "int4 linears", "4-bit head": "+ 4-bit head", "fused": "+ fused q/k/v, gate/up"}
+labels = {"4-bit head": "+ 4-bit head", "fused": "+ fused q/k/v, gate/up"}  # each after the ones before
 for name in args.variants:
     if name not in changes:
         raise SystemExit(f"unknown variant {name!r}: pick from {list(changes)}")

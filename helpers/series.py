@@ -32,9 +32,10 @@ class Series:
     def same_tokens(self, tokens: list[int]) -> ck.Verdict:
         """Whether ``tokens`` (a run's, up to its first stop) are notebook 03's, over the
         ``new_tokens`` notebook 03 made (a timed run makes more): equal lists where the
-        arithmetic is exact (the float32 twin); in bf16, teacher-forced against the checkpoint's reference model (built
-        once, on the host, dequantized independently of the series' loading path), where two
-        programs may round a near tie differently (``checkpoint.compare_tokens``)."""
+        arithmetic is exact (the float32 twin); in bf16, teacher-forced against the checkpoint's
+        reference model (built once, on the host, dequantized independently of the series'
+        loading path), where two programs may round a near tie differently
+        (``checkpoint.compare_tokens``)."""
         tokens = tokens[: self.new_tokens]
         if ck.series_dtype(self.checkpoint) == torch.float32:
             return ck.compare_tokens(tokens, self.reference)

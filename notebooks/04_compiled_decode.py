@@ -219,10 +219,9 @@ else:
 # writes the cache, `gather`, `embedding`) take int64 indices, so the positions, the masks
 # built from them and the ids stay 64-bit. A TPU emulates each such op in 32-bit pairs; what
 # matters is their size. At E2B the largest is a mask: 8,192 values (`[1, 1, 32, 256]`) in the
-# programs of notebooks 04, 05 and 07, 81,920 (`[128, 640]`) in the ring's prefill chunk of 128:
-# no 64-bit work over a table row or the vocabulary (the 4-bit
-# unpack, the sampling noise and the ring's 131,328-position mask are 32-bit; the xla job tests
-# it). PyTorch/XLA's `XLA_USE_32BIT_LONG=1` would make them all 32-bit; torch_xla 2.9 crashed
+# greedy programs of notebooks 04, 05 and 07, 81,920 (`[128, 640]`) in the ring's prefill chunk
+# of 128: no 64-bit work over a table row or the vocabulary there (the 4-bit unpack and the
+# ring's 131,328-position mask are 32-bit, as is the sampling noise; the xla job tests them). PyTorch/XLA's `XLA_USE_32BIT_LONG=1` would make them all 32-bit; torch_xla 2.9 crashed
 # with it on this course's steps.
 
 # %% [markdown]

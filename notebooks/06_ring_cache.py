@@ -278,7 +278,7 @@ decoder.generate(ids, 2)  # compile the notebook's decoder again after the reset
 # Read from XLA (`benchmarks/xla_programs.py`: every program of notebooks 04-07 at E2B's shapes,
 # compiled by XLA's CPU compiler, 2026-12-05, output in `benchmarks/`): the ring's decode step at
 # 131,328 positions has a 2.15 GB intermediate, a full layer's K repeated for 8 heads in float32
-# (the CPU compiler computes in float32; a TPU's would be bf16, half that), and needs 15.1 GB in
+# (the CPU compiler computes in float32; in bf16 it is half that, the cell below), and needs 15.1 GB in
 # all (11.3 GB without the CPU compiler's float32 copies of its bf16 inputs), against 8.3 GB for
 # notebook 05's step at 256 positions. A prefill chunk of 128 needs 21.2 GB there (12.1 GB); one
 # of a window (512, this notebook's default) ran this 24 GB build machine out of memory. On a
@@ -294,7 +294,7 @@ for chunk in (1, e2b.sliding_window // 4, e2b.sliding_window):
         f" for {e2b.num_attention_heads} heads {fmt_bytes(sizes['k_repeated'])} (bf16), scores"
         f" {fmt_bytes(sizes['scores'])} (float32)"
     )
-assert sizes["k_repeated"] > ring_e2b  # one layer's repeated K outweighs the whole ring cache
+assert helpers.e2b.full_attention_bytes(e2b, E2B_CONTEXT)["k_repeated"] > ring_e2b  # outweighs the whole ring
 
 # %% [markdown]
 # Nothing wraps silently: a prompt plus new tokens beyond the full layers' buffer is refused
