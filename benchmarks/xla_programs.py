@@ -33,7 +33,7 @@ from helpers.bench import fmt_bytes, table  # noqa: E402
 from helpers.fused import fuse_projections  # noqa: E402
 from helpers.qlinear import keep_linears_compressed  # noqa: E402
 from helpers.qtable import QTable, keep_embed_in_4bit  # noqa: E402
-from helpers.ring import RingDecoder  # noqa: E402
+from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 from helpers.synthetic import SYNTHETIC  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,6 +135,8 @@ model.model.embed_tokens_per_layer = QTable(packed, scales, old.scalar_embed_sca
 del old, packed, scales
 backend.flush()
 audit("05 4-bit per-layer table", decode.Decoder(model, backend, args.max_len))
+# notebook 06's attention, kept for 07: the query heads grouped over their one K/V head
+print("attention:", group_query_heads(model), "->", model.config._attn_implementation)
 # at 131,328 positions each full layer's chunk scores every position the ring holds
 ring_chunk = min(args.ring_chunk, config.sliding_window)  # no longer than the window (RingCache)
 ring = RingDecoder(model, backend, sources.CONTEXT, chunk_size=ring_chunk)
@@ -142,7 +144,8 @@ for chunk in sorted({ring_chunk, config.sliding_window}):
     sizes = e2b.full_attention_bytes(config, sources.CONTEXT, chunk)
     print(
         f"a prefill chunk of {chunk} at {sources.CONTEXT:,} positions, in a full layer (computed): float32 scores"
-        f" {fmt_bytes(sizes['scores'])}, K repeated for each query head {fmt_bytes(sizes['k_repeated'])} in bf16"
+        f" {fmt_bytes(sizes['scores'])}; K repeated for each query head, as transformers' attention would,"
+        f" {fmt_bytes(sizes['k_repeated'])} in bf16"
     )
 audit(f"06 ring, {sources.CONTEXT:,} positions, chunks of {ring_chunk}", ring)
 del ring  # its cache: 0.81 GB at E2B

@@ -10,13 +10,53 @@ import functools
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .bench import time_fed, time_fn
 from .decode import Decoder, allocated_layers, cache_bytes, greedy_step, kv_buffers
 from .sampling import greedy_config
 
 EMPTY = -1  # the position of a slot never written
+GROUPED = "grouped_sdpa"  # the attention implementation ``group_query_heads`` sets
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' SDPA attention with the query heads that share a K/V head stacked along the
+    queries ([B, H, S, D] -> [B, H_kv, H / H_kv * S, D]), so K and V are read as the cache holds
+    them. transformers' own SDPA attention repeats them for every query head (``repeat_kv``)
+    wherever a mask is given and in every compiled graph: a copy 8x a full layer's K and V at
+    E2B's one K/V head, 1.08 GB of K alone at 131,328 positions (``e2b.full_attention_bytes``).
+    Same arguments and return as transformers' attention functions."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("grouped attention has no softcap, as SDPA's has none: use eager attention")
+    batch, heads, queries, dim = query.shape
+    groups = heads // key.shape[1]
+    query = query.reshape(batch, key.shape[1], groups * queries, dim)  # row g * S + i: head g's query i
+    if attention_mask is not None and queries > 1:
+        if attention_mask.shape[1] != 1:
+            raise ValueError(f"a mask per head ({attention_mask.shape[1]}) cannot be grouped: one for all heads")
+        attention_mask = attention_mask.repeat(1, 1, groups, 1)  # each head's queries see what query i sees
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+# Registered the way transformers documents for a custom attention: the function, and SDPA's
+# boolean masks for it (a name without a mask function of its own gets none).
+AttentionInterface.register(GROUPED, grouped_attention)
+AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+def group_query_heads(model) -> str:
+    """Make ``model``'s attention ``grouped_attention`` (the same values as transformers' SDPA
+    attention, without the copies of K and V per query head), in place. Returns the attention
+    implementation it had, to set back with ``model.set_attn_implementation``."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(GROUPED)
+    return before
 
 
 def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +169,7 @@ class RingCache(Cache):
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         allowed = allowed[None, None]
-        if self.attn_implementation == "sdpa":
+        if self.attn_implementation in ("sdpa", GROUPED):
             return allowed
         # eager attention adds its mask to the scores
         return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)

@@ -10,7 +10,7 @@ import dataclasses
 import torch
 
 from . import checkpoint as ck
-from . import decode, generate, hub, qtable
+from . import decode, generate, hub, qtable, ring
 from .backend import Backend
 
 
@@ -71,9 +71,10 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
     """The model as notebook ``after`` leaves it. 3: loaded as the series loads it, with
     notebook 03's reference tokens from the run folder (made now, and said so, if it has none);
     4: also decompressed by a first forward and stripped of compressed-tensors' wrappers;
-    5: also the per-layer table in 4-bit. Prints which checkpoint and backend."""
-    if after not in (3, 4, 5):
-        raise ValueError(f"after={after}: the series can be prepared as notebook 3, 4 or 5 leaves it")
+    5: also the per-layer table in 4-bit; 6: also attention grouped over each K/V head
+    (``ring.group_query_heads``). Prints which checkpoint and backend."""
+    if after not in (3, 4, 5, 6):
+        raise ValueError(f"after={after}: the series can be prepared as notebook 3, 4, 5 or 6 leaves it")
     checkpoint, model, tokenizer, ids = load_for_series(backend)
     print(checkpoint)
     print(backend.describe())
@@ -86,4 +87,6 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
         decode.strip_compressed_wrappers(model)
     if after >= 5:
         series.table = qtable.keep_table_in_4bit(model, checkpoint)
+    if after >= 6:
+        ring.group_query_heads(model)
     return series

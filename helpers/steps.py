@@ -198,10 +198,10 @@ def table_step(backend: Backend, results: Results) -> dict:
 
 
 def ring_step(backend: Backend, results: Results) -> dict:
-    """Notebook 05's model (4-bit table) on the ring cache; its label names the positions it
-    holds (the step's cost grows with them: one label per set-up)."""
+    """Notebook 06's model (4-bit table, grouped attention) on the ring cache; its label names
+    the positions it holds (the step's cost grows with them: one label per set-up)."""
     label = f"ring cache, {TOUR_MAX_LEN:,} positions"
-    return compiled_run(backend, results, RING, label, sources.RING_TOK_S, after=5, decoder_class=RingDecoder)
+    return compiled_run(backend, results, RING, label, sources.RING_TOK_S, after=6, decoder_class=RingDecoder)
 
 
 # --- 07 ----------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ VARIANTS = ("matvec loops", "int8 linears", "int4 linears", "4-bit head", "fused
 def measure_variants_in_place(
     backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = TOUR_MAX_LEN, variants=VARIANTS
 ) -> list[dict]:
-    """Notebook 07's variants on notebook 05's model, each compiled anew and timed. It changes
+    """Notebook 07's variants on notebook 06's model, each compiled anew and timed. It changes
     ``series.model`` in place, variant after variant (the model ends as the last one), and drops
     ``series.table``'s report, which no longer describes it. K tokens per compiled call for each
     of ``ks``; on a CPU, K = 1 with the one-row matmuls as loops inductor writes
@@ -287,7 +287,7 @@ def record_variants(results: Results, backend: Backend, rows: list[dict]) -> lis
 
 def past_step(backend: Backend, results: Results) -> list[dict]:
     """The tour's step 07: notebook 07's variants, a results row each."""
-    series = prepare(backend, after=5, folder=results.path.parent)
+    series = prepare(backend, after=6, folder=results.path.parent)
     return record_variants(results, backend, measure_variants_in_place(backend, series, ks=KS[backend.name == "xla"]))
 
 

@@ -154,6 +154,37 @@ assert ring_step["cache_read"] == ring_e2b and 38 <= predicted <= 45
 helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks, helpers.ring.RingDecoder.prefill)
 
 # %% [markdown]
+# ## Attention that reads the one K/V head as the cache holds it
+# **What we test:** E2B has 8 query heads and one K/V head. transformers' SDPA attention gives
+# each query head its own copy of K and V (`repeat_kv`) whenever it gets a mask, and in every
+# compiled graph: at 131,328 positions a full layer's K repeated is 1.08 GB in bf16, more than
+# the whole ring (the last section computes it from the real configuration). `grouped_attention`
+# stacks the query heads that share a K/V head along the queries instead, and reads K and V once.
+# It is registered through transformers' `AttentionInterface`, so the model calls it as it calls
+# its own. Here it gives transformers' values exactly, on a full layer's shapes with a mask
+# (a prefill chunk's queries and a decode step's one), and from here on the model uses it.
+
+# %%
+helpers.show(helpers.ring.grouped_attention)
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+full_attn = model.model.layers[config.layer_types.index("full_attention")].self_attn
+heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+for queries in (1, 5):
+    shape = (1, heads, queries, full_attn.head_dim)
+    q = torch.randn(shape, dtype=torch.float32)
+    k, v = (torch.randn(1, kv_heads, 40, full_attn.head_dim) for _ in "kv")
+    mask = torch.arange(40)[None, None, None, :] <= torch.arange(30, 30 + queries)[None, None, :, None]
+    theirs, _ = sdpa_attention_forward(full_attn, q, k, v, mask, scaling=full_attn.scaling)
+    ours, _ = helpers.ring.grouped_attention(full_attn, q, k, v, mask, scaling=full_attn.scaling)
+    print(
+        f"{queries} quer{'y' if queries == 1 else 'ies'}: same values as transformers' SDPA attention: {torch.equal(ours, theirs)}"
+    )
+    assert torch.equal(ours, theirs)
+before = helpers.ring.group_query_heads(model)
+print(f"the model's attention: {before} -> {model.config._attn_implementation}")
+
+# %% [markdown]
 # ## The cache on this model
 # **What we test:** a ring of `sliding_window` slots per sliding layer, a full buffer per
 # full-attention layer, nothing for K/V-sharing layers; bytes as the formula above gives them.

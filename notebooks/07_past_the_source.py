@@ -87,7 +87,7 @@ helpers.install_missing()
 from helpers.bench import fmt_bytes, table
 
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
+series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
 
 # %% [markdown]
 # ## The roofline at E2B scale, computed on the meta device

@@ -81,7 +81,7 @@ import torch
 from helpers.bench import fmt_bytes, table
 
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
+series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
 checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
 MAX_LEN = 256 if checkpoint.tiny else 8192  # the chat's context: the full layers' buffer
 

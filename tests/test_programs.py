@@ -13,7 +13,7 @@ from conftest import needs_xla
 import helpers
 from helpers import decode, programs, qtable, sampling
 from helpers.programs import AUDIT_VAR
-from helpers.ring import RingDecoder
+from helpers.ring import RingDecoder, group_query_heads
 
 os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this target's process only
 
@@ -74,6 +74,29 @@ def test_the_rings_masks_over_its_full_buffer_are_32_bit(xla_series):
     assert len(rows) == 2
     for row in rows:
         assert str(max_len) not in row["s64_largest_shape"][4:-1].split(","), row
+
+
+@needs_xla
+def test_the_rings_grouped_attention_holds_no_copy_of_k_per_query_head(xla_series):
+    """transformers' attention repeats a full layer's one K/V head for every query head, a
+    [1, heads, max_len, head_dim] copy per call; grouped, no intermediate of the ring's
+    programs is that large (a max_len long enough that the copy outweighs everything else)."""
+    model, config = xla_series.model, xla_series.model.config.get_text_config()
+    max_len = 1024
+    head_dim = model.model.layers[config.layer_types.index("full_attention")].self_attn.head_dim
+    repeated = config.num_attention_heads * max_len * head_dim * 4  # float32: the twin
+    largest = {}
+    for grouped in (False, True):
+        before = group_query_heads(model) if grouped else None
+        try:
+            tokens, rows = _audits(RingDecoder(model, helpers.get_backend(), max_len=max_len), xla_series)
+        finally:
+            if before:
+                model.set_attn_implementation(before)  # the module's other tests run transformers' own
+        assert xla_series.same_tokens(tokens) and len(rows) == 2
+        largest[grouped] = [r["largest_intermediate"] for r in rows]
+    assert max(largest[False]) >= repeated, largest  # the copy is there without grouping: the test can fail
+    assert max(largest[True]) < repeated, largest
 
 
 @needs_xla

@@ -121,6 +121,45 @@ def test_logits_and_attention_equal_the_no_cache_reference_at_every_position(
         torch.testing.assert_close(out, ref_attention[i], atol=1e-3, rtol=1e-3, msg=f"layer {i} differs")
 
 
+class _Attn:  # what an attention function reads of its layer
+    num_key_value_groups, is_causal, training = 4, True, False
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_grouped_attention_gives_transformers_sdpa_values_exactly(queries):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(queries)
+    q, k, v = torch.randn(2, 8, queries, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    mask = torch.rand(2, 1, queries, 40) > 0.3  # no causal pattern: each query's own keys
+    theirs, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=0.5)
+    ours, _ = ring.grouped_attention(_Attn(), q, k, v, mask, scaling=0.5)
+    assert ours.shape == theirs.shape == (2, queries, 8, 16)
+    assert torch.equal(ours, theirs)
+    shuffled = ring.grouped_attention(_Attn(), q, k, v, mask.flip(2), scaling=0.5)[0]
+    assert queries == 1 or not torch.equal(shuffled, theirs)  # each query's mask row reaches its own heads
+
+
+def test_grouped_attention_refuses_what_it_cannot_group():
+    q, k = torch.randn(1, 4, 3, 8), torch.randn(1, 1, 6, 8)
+    with pytest.raises(ValueError, match="softcap"):
+        ring.grouped_attention(_Attn(), q, k, k, None, softcap=30.0)
+    with pytest.raises(ValueError, match="a mask per head"):
+        ring.grouped_attention(_Attn(), q, k, k, torch.ones(1, 4, 3, 6, dtype=torch.bool))
+
+
+def test_the_ring_with_grouped_attention_gives_the_same_logits(cpu):
+    """The model's own attention, then grouped, over a prompt crossing the window in chunks and
+    token by token after it: the same logits, bit for bit."""
+    torch.manual_seed(0)
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()
+    seq = torch.randint(0, 512, (1, 3 * W + 7), generator=torch.Generator().manual_seed(1))
+    before, _ = _through_the_ring(ring.RingDecoder(model, cpu, max_len=4 * W, chunk_size=5), seq, 2 * W + 1)
+    assert ring.group_query_heads(model) == "sdpa" and model.config._attn_implementation == ring.GROUPED
+    after, _ = _through_the_ring(ring.RingDecoder(model, cpu, max_len=4 * W, chunk_size=5), seq, 2 * W + 1)
+    assert torch.equal(before, after)
+
+
 def test_the_cache_holds_a_window_per_sliding_layer_a_full_buffer_per_full_layer_and_nothing_when_shared(tiny, cpu):
     cache = ring.RingDecoder(tiny, cpu, max_len=96, chunk_size=12).cache
     for layer, decoder in zip(cache.layers, tiny.model.layers):
@@ -174,6 +213,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
     d.strip_compressed_wrappers(model)
     qtable.keep_table_in_4bit(model)
+    ring.group_query_heads(model)  # as notebook 06 runs it: the compiled grouped attention, on each backend
     torch._dynamo.reset()
     decoder = ring.RingDecoder(model, backend, max_len=256)
     with backend.compile_counter() as count:
