@@ -73,9 +73,9 @@ def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int 
 
 
 def full_attention_bytes(config, positions: int, chunk: int = 1) -> dict[str, int]:
-    """Two arrays eager attention makes in a full-attention layer holding ``positions``, for a
-    ``chunk`` of queries: K (as V) repeated for every query head (``repeat_kv``, bf16), and the
-    float32 scores."""
+    """Two arrays attention over a full-attention layer holding ``positions`` may make, for a
+    ``chunk`` of queries: K (as V) repeated for every query head, as transformers' attention
+    does (``repeat_kv``, bf16; ``ring.grouped_attention`` makes none), and the float32 scores."""
     layer = next(c for c, kind in zip(config.per_layer_config, config.layer_types) if kind == "full_attention")
     heads = config.num_attention_heads
     return {

@@ -301,29 +301,30 @@ decoder.generate(ids, 2)  # compile the notebook's decoder again after the reset
 # %% [markdown]
 # ## What a program at 131,328 positions holds besides the cache
 # **What we test:** nothing new runs here: the sizes below are computed from E2B's real
-# configuration. Transformers' attention gives each of the 8 query heads its own copy of the one
-# K/V head (`repeat_kv`) before the matmul, and scores every position a full layer holds. At a
-# short context both are small; at 131,328 positions a full layer's K, repeated, is larger than
-# the whole ring cache, and a prefill chunk's scores grow with the chunk.
+# configuration. transformers' attention would give each of the 8 query heads its own copy of
+# the one K/V head (`repeat_kv`): at 131,328 positions a full layer's K, repeated, is larger than
+# the whole ring cache. The grouped attention set above makes no such copy. What still grows
+# with the context is the scores: every position a full layer holds, for each query of a chunk.
 #
-# Read from XLA (`benchmarks/xla_programs.py`: every program of notebooks 04-07 at E2B's shapes,
-# compiled by XLA's CPU compiler, 2026-12-05, output in `benchmarks/`): the ring's decode step at
-# 131,328 positions has a 2.15 GB intermediate, a full layer's K repeated for 8 heads in float32
-# (the CPU compiler computes in float32; in bf16 it is half that, the cell below), and needs 15.1 GB in
-# all (11.3 GB without the CPU compiler's float32 copies of its bf16 inputs), against 8.3 GB for
-# notebook 05's step at 256 positions. A prefill chunk of 128 needs 21.2 GB there (12.1 GB); one
-# of a window (512, this notebook's default) ran this 24 GB build machine out of memory. On a
-# TPU (a path no machine building this course has run), look at your program's peak before
-# trusting a long context: a smaller `chunk_size`, or attention that groups the query heads over
-# one K/V head instead of repeating it, lowers it.
+# Read from XLA (`benchmarks/xla_programs.py`: the programs of notebooks 04-07 at E2B's shapes,
+# compiled by XLA's CPU compiler, 2026-12-05, outputs in `benchmarks/`). With transformers'
+# attention, the ring's decode step at 131,328 positions held a 2.15 GB intermediate (a full
+# layer's K repeated for 8 heads, float32: the CPU compiler computes in float32) and needed
+# 15.06 GB in all. Grouped, it needs 10.75 GB (7.81 GB without the CPU compiler's float32 copies
+# of its bf16 inputs), and its largest intermediate is 269 MB, one full layer's K in float32. A
+# prefill chunk of 128 went from 21.24 GB to 17.88 GB (8.76 GB without the copies). A chunk of a
+# window (512, this notebook's default) ran this 24 GB build machine out of memory before
+# grouping; its scores alone are 2.15 GB a full layer (the cell below). On a TPU (a path no
+# machine building this course has run), look at your program's peak before trusting a long
+# context: a smaller `chunk_size` lowers it.
 
 # %%
 for chunk in (1, e2b.sliding_window // 4, e2b.sliding_window):
     sizes = helpers.e2b.full_attention_bytes(e2b, E2B_CONTEXT, chunk)
     print(
-        f"E2B full layer at {E2B_CONTEXT:,} positions, {chunk} quer{'y' if chunk == 1 else 'ies'}: K repeated"
-        f" for {e2b.num_attention_heads} heads {fmt_bytes(sizes['k_repeated'])} (bf16), scores"
-        f" {fmt_bytes(sizes['scores'])} (float32)"
+        f"E2B full layer at {E2B_CONTEXT:,} positions, {chunk} quer{'y' if chunk == 1 else 'ies'}: scores"
+        f" {fmt_bytes(sizes['scores'])} (float32); K repeated for {e2b.num_attention_heads} heads, which"
+        f" grouped attention does not make, {fmt_bytes(sizes['k_repeated'])} (bf16)"
     )
 assert helpers.e2b.full_attention_bytes(e2b, E2B_CONTEXT)["k_repeated"] > ring_e2b  # outweighs the whole ring
 
