@@ -10,11 +10,11 @@ compiles, prefill), peak host memory of the process during the step, bytes on th
 GB/s and % of the read bandwidth measured in the same run, and the same-token verdict against
 notebook 03's tokens (teacher-forced in bf16: ``checkpoint.compare_tokens``). Beside 04, HF
 ``generate`` with its static cache and compiled forward, timed in the same run. Notebook 06's
-step groups the attention's query heads over their K/V head (``ring.group_query_heads``, kept for
-07, as the notebooks do), allocates the ring for the source's 131,328 positions, prefills 4
-windows in chunks, and charts decode tok/s against context (``decode_vs_context.png`` in the run folder). It ends with
-the targets: minutes for the whole run, the largest host peak, the best loop's share of the
-bandwidth and its ratio to HF's compiled recipe.
+step groups the attention's query heads over their K/V head (``ring.group_query_heads``, kept
+for 07, as the notebooks do), allocates the ring for the source's 131,328 positions, prefills 4
+windows in chunks, and charts decode tok/s against context (``decode_vs_context.png`` in the
+run folder). It ends with the targets: minutes for the whole run, the largest host peak, the
+best loop's share of the bandwidth and its ratio to HF's compiled recipe.
 
 The one-time build of the synthetic checkpoint (about 2 minutes, into the cache) is not
 counted. ``HELPERS_MODEL=tiny`` runs the same on the twin, in a minute or two.
@@ -171,7 +171,7 @@ del decoder
 torch._dynamo.reset()
 
 # --- 06: the ring at the source's context, a prefill of 4 windows, tok/s against context ------
-series.drop_reference_model()  # 9 GB beside the prefill's working set at 131,328 positions (25 GB peak measured)
+series.drop_reference_model()  # 9 GB beside the ring's compile at 131,328 positions (25 GB peak measured with it)
 step = Step(steps.RING)
 print("attention:", group_query_heads(model), "->", model.config._attn_implementation)  # as notebook 06, kept for 07
 context = sources.CONTEXT if not checkpoint.tiny else sources.CONTEXT // 64

@@ -1,7 +1,8 @@
 """A ring KV cache: each sliding-window layer keeps exactly ``sliding_window`` positions
 (position p in slot p mod window), each full-attention layer a buffer up to the maximum
 context, KV-sharing layers nothing. Masks come from absolute positions, so a slot's position
-is always known; long prompts go through in fixed-size chunks, the last one padded."""
+is always known; long prompts go through in fixed-size chunks, the last one padded. Attention
+reads each K/V head once for the query heads that share it (``grouped_attention``)."""
 
 from __future__ import annotations
 
@@ -169,8 +170,8 @@ class RingCache(Cache):
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         allowed = allowed[None, None]
-        if self.attn_implementation in ("sdpa", GROUPED):
-            return allowed
+        if ALL_MASK_ATTENTION_FUNCTIONS.get(self.attn_implementation) is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]:
+            return allowed  # an implementation that takes SDPA's boolean masks (SDPA's own, grouped)
         # eager attention adds its mask to the scores
         return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
