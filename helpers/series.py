@@ -39,10 +39,10 @@ class Series:
         tokens = tokens[: self.new_tokens]
         if ck.series_dtype(self.checkpoint) == torch.float32:
             return ck.compare_tokens(tokens, self.reference)
-        if self._reference_model is None:
-            self._reference_model = ck.reference_model(self.checkpoint)
         key = tuple(tokens)  # one teacher-forced forward per distinct list: at full size, seconds each
-        if key not in self._verdicts:
+        if key not in self._verdicts:  # looked up first: a dropped reference model is rebuilt only when needed
+            if self._reference_model is None:
+                self._reference_model = ck.reference_model(self.checkpoint)
             self._verdicts[key] = ck.compare_tokens(tokens, self.reference, self._reference_model, self.ids)
         return self._verdicts[key]
 

@@ -8,7 +8,7 @@ import torch
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, hub, packed, sampling, twin
+from helpers import e2b, hub, packed, sampling, series, twin
 
 
 @pytest.fixture(scope="module")
@@ -379,3 +379,18 @@ def test_a_real_fault_fails_even_when_it_parts_late(teacher):
     verdict = ck.compare_tokens(tokens, reference, model, ids)
     assert not verdict and verdict.failed_at == parted and verdict.first_divergence == parted
     assert verdict.gap > ck.NEAR_TIE_ULPS * 2**-7 * 30 and "no near tie" in str(verdict)
+
+
+def test_a_verdict_made_is_kept_and_a_dropped_reference_model_is_rebuilt_only_for_a_new_list(tiny, monkeypatch):
+    """At full size the reference model is 9 GB, dropped while a step builds something large:
+    asking again about tokens already judged must not rebuild it (measured: 06's host peak)."""
+    built, compared = [], []
+    monkeypatch.setattr(ck, "series_dtype", lambda checkpoint: torch.bfloat16)  # the teacher-forced path
+    monkeypatch.setattr(ck, "reference_model", lambda checkpoint: built.append(checkpoint) or f"model {len(built)}")
+    monkeypatch.setattr(ck, "compare_tokens", lambda tokens, *args: compared.append((tokens, args[1])) or len(compared))
+    judged = series.Series(tiny, None, None, torch.tensor([[2, 5]]), 3, [7, 8, 9], 3)
+    assert judged.same_tokens([7, 8, 9, 4]) == 1  # beyond new_tokens: a timed run's extra token is not judged
+    judged.drop_reference_model()
+    assert judged.same_tokens([7, 8, 9]) == 1 and len(built) == 1  # the same list: no rebuild, no new forward
+    assert judged.same_tokens([7, 8, 6]) == 2 and compared[-1] == ([7, 8, 6], "model 2")  # a new list: rebuilt
+    assert len(built) == 2 and len(compared) == 2
