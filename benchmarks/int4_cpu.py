@@ -1,8 +1,9 @@
 """Why notebook 07's int4 linears are slower than bf16 on a CPU, and what would make them faster:
 one decode matmul at E2B's widest linear shapes, its weight read as bf16 (MKL, and the loops
-inductor writes: ``Backend.use_matvec_loops``), as ``QLinear``'s packed int4 codes unpacked
-inside the compiled step (exact: the checkpoint's bf16 values), and through torch's own CPU int4
-kernel (``aten._weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast call on a CPU), which
+inductor writes: ``Backend.use_matvec_loops``), as ``QLinear``'s packed int4 codes multiplied
+inside the compiled step (exact: the checkpoint's bf16 values) plane by plane, as ``QLinear``
+does for one row (``qtable.packed_linear``), and unpacked into the weight's columns first, as it
+does for a prefill's rows, and through torch's own CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast call on a CPU), which
 multiplies codes by scales without rounding the products to bf16, so its weights are within half a
 bf16 step of the checkpoint's, not equal to them.
 
@@ -53,6 +54,10 @@ def int4(x, qlinear):
     return qlinear(x)
 
 
+def int4_columns(x, qlinear):
+    return torch.nn.functional.linear(x, qlinear.weight)
+
+
 def kernel(x, packed, scales_and_zeros):
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.view(1, -1), packed, GROUP_SIZE, scales_and_zeros)
 
@@ -68,6 +73,7 @@ for out_features, in_features in shapes:
         "bf16, MKL": (backend.compile(bf16), [(x, q.weight) for q in qlinears]),
         "bf16, loops": (backend.compile(bf16, **loops), [(x, q.weight) for q in qlinears]),
         "int4 QLinear, loops": (backend.compile(int4, **loops), [(x, q) for q in qlinears]),
+        "int4 unpacked to columns, loops": (backend.compile(int4_columns, **loops), [(x, q) for q in qlinears]),
         "int4, torch's CPU kernel": (kernel, [(x, *int4_kernel_tensors(c, s)) for c, s in zip(codes, scales)]),
     }
     exact = bf16(x, qlinears[0].weight).float().flatten()
@@ -78,7 +84,8 @@ for out_features, in_features in shapes:
             timing = time_fn(lambda fn=fn, calls=calls: [fn(*a) for a in calls], sync=backend.sync, warmup=0, repeats=1)
             runs[name].append(timing.median / len(calls))
     for name, (_, calls) in ways.items():
-        held = calls[0][1:] if not name.startswith("int4 QLinear") else (calls[0][1].codes, calls[0][1].scales)
+        module = calls[0][1]
+        held = (module.codes, module.scales) if isinstance(module, QLinear) else calls[0][1:]
         stored = sum(t.numel() * t.element_size() for t in held)
         seconds = statistics.median(runs[name])
         rows.append(

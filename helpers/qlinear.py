@@ -2,7 +2,8 @@
 straight from the checkpoint's packed tensors: the QAT int4 codes stored one per int8 (1 byte
 a weight) or packed eight per int32 word as compressed-tensors saved them (half a byte), with
 their bf16 group scales. Both give the checkpoint's weights exactly: codes x scales rounded to
-bf16, as compressed-tensors' own dequantization does."""
+bf16, as compressed-tensors' own dequantization does. Packed int4 times a decode step's one row
+goes plane by plane through the words (``qtable.packed_linear``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from .hub import local_folder
 from .packed import CheckpointTensors, checkpoint_key
-from .qtable import dequantize, exact_scales, recover_grid, unpack_rows
+from .qtable import dequantize, exact_scales, packed_linear, recover_grid, unpack_rows
 
 FORMATS = ("int8", "int4")
 
@@ -52,6 +53,8 @@ class QLinear(torch.nn.Module):
         return dequantize(codes, self.scales, self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "int4":
+            return packed_linear(x, self.codes, self.scales, self.dtype)
         return torch.nn.functional.linear(x, self.weight)
 
     def extra_repr(self) -> str:

@@ -114,10 +114,14 @@ def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[to
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes x scales rounded to bf16, as the QAT grid's values are (and compressed-tensors'
-    bf16 dequantization gives), then in ``dtype``."""
-    product = codes.float() * scales.float().repeat_interleave(GROUP_SIZE, dim=-1)
-    return product.to(torch.bfloat16).to(dtype)
+    """codes x scales (one per group of 32 along the last dimension) as the grid's values."""
+    return grid_values(codes, scales.float().repeat_interleave(GROUP_SIZE, dim=-1), dtype)
+
+
+def grid_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scales (broadcast to the codes) rounded to bf16, as the QAT grid's values are (and
+    compressed-tensors' bf16 dequantization gives), then in ``dtype``."""
+    return (codes.float() * scales.float()).to(torch.bfloat16).to(dtype)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
@@ -127,11 +131,35 @@ def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
     (measured: codes off by one in words with the top bit set). So only non-negative words are
     shifted: the sign bit is cleared first and given back as the top nibble's high bit. All in
     int32: a TPU has no 64-bit integers, XLA would emulate every op over the table in pairs."""
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    top = torch.tensor([0] * 7 + [8], dtype=torch.int32, device=packed.device)  # the sign bit's, in the last nibble
+    return code_planes(packed).transpose(-1, -2).flatten(-2)
+
+
+def code_planes(packed: torch.Tensor) -> torch.Tensor:
+    """``unpack_rows``' codes by plane, [..., 8, words]: plane k holds every word's k-th code."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device).view(8, 1)
+    top = ((shifts + 4) & 32) >> 2  # the sign bit's place: 8 in the last nibble (shift 28), 0 elsewhere
     negative = packed < packed.new_zeros(())  # an int32 zero: PyTorch/XLA compares with a Python 0 in 64 bits
-    nibbles = ((packed & 0x7FFFFFFF).unsqueeze(-1) >> shifts) & 15
-    return ((nibbles | negative.to(torch.int32).unsqueeze(-1) * top) - 8).flatten(-2)
+    nibbles = ((packed & 0x7FFFFFFF).unsqueeze(-2) >> shifts) & 15
+    return (nibbles | negative.to(torch.int32).unsqueeze(-2) * top) - 8
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x, weight)`` for the weight [out, in] that int32 words [out, in / 8] and their
+    scales [out, in / 32] hold, its values exactly the grid's (``dequantize``). Several rows of
+    ``x`` (a prefill) multiply the weight unpacked into its columns. One row (a decode step's)
+    is multiplied plane by plane instead: plane k holds every word's k-th code, which multiplies
+    the inputs 8j + k, so each word is read once and shifted by a constant per plane. The same
+    products, summed in float32 in another order; unpacked into columns, a CPU compiler
+    interleaves the eight codes with a shift that varies along the row and leaves the loop
+    scalar (``benchmarks/int4_cpu.py``: several times slower)."""
+    if x.shape[:-1].numel() != 1:
+        return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
+    out, words = packed.shape
+    groups, per_group = scales.shape[-1], words // scales.shape[-1]  # 4 words per group of 32
+    planes = code_planes(packed).view(out, 8, groups, per_group)  # [out, plane, group, word]
+    weight = grid_values(planes, scales.view(out, 1, groups, 1), dtype)
+    inputs = x.reshape(groups, per_group, 8).permute(2, 0, 1)  # [plane, group, word], as the weight's
+    return (weight.float() * inputs.float()).sum((-3, -2, -1)).to(x.dtype).view(*x.shape[:-1], out)
 
 
 class QTable(torch.nn.Module):
@@ -233,25 +261,21 @@ class QTable(torch.nn.Module):
         """The dequantized rows of ``input_ids`` (any shape), in the table's dtype."""
         return dequantize(unpack_rows(self.packed[input_ids]), self.scales[input_ids], self.dtype)
 
-    def dequantized(self) -> torch.Tensor:
-        """The whole table, dequantized (what a tied output head multiplies by)."""
-        return dequantize(unpack_rows(self.packed), self.scales, self.dtype)
-
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # as Gemma4TextScaledWordEmbedding rounds it: a float32 scalar cast to the table dtype
         return self.rows(input_ids) * self.embed_scale.to(self.dtype)
 
 
 class QHead(torch.nn.Module):
-    """The output head tied to a ``QTable``: the table dequantized inside the step, then the
-    bf16 head's own matmul, so logits read exactly the values the lookups do."""
+    """The output head tied to a ``QTable``: the table's packed words times the hidden state
+    inside the step (``packed_linear``), so logits read exactly the values the lookups do."""
 
     def __init__(self, table: QTable):
         super().__init__()
         self.table = table
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(hidden, self.table.dequantized())
+        return packed_linear(hidden, self.table.packed, self.table.scales, self.table.dtype)
 
 
 def keep_table_in_4bit(model, checkpoint=None) -> dict:

@@ -177,9 +177,10 @@ print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 # `decompose_mm_pass`), vectorized, with a compressed weight's dequantization inside the same
 # kernel, where MKL's matrix-vector product reads a short row at well under half the
 # bandwidth (on a TPU, XLA writes every matmul itself: there is no such switch to make); the
-# linear that stays compressed on the device; and the fused linear whose one matmul serves q,
-# k and v (or gate and up): transformers' attention calls them in turn on the same hidden
-# states.
+# linear that stays compressed on the device, whose packed int4 words a decode step multiplies
+# plane by plane (the same products, each word read once, shifted by a constant per plane);
+# and the fused linear whose one matmul serves q, k and v (or gate and up): transformers'
+# attention calls them in turn on the same hidden states.
 
 # %%
 helpers.show(
@@ -188,6 +189,7 @@ helpers.show(
     helpers.backend.Backend.use_matvec_loops,
     helpers.qlinear.QLinear.weight.fget,
     helpers.qlinear.QLinear.forward,
+    helpers.qtable.packed_linear,
     helpers.fused.Fused.part,
 )
 

@@ -230,6 +230,35 @@ def test_the_unpack_stays_in_32_bit_integers_and_never_shifts_a_negative_word():
     assert torch.equal(unpacked, codes.int()) and shifted and not any(shifted)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_rows_product_by_plane_equals_the_matmul_of_the_unpacked_weight(dtype):
+    """One row of x multiplies the packed words plane by plane (``packed_linear``): the products
+    of the checkpoint's own weights, only summed in another order. Bf16 scales (a linear's) and
+    float32 steps (a table's), eager and compiled into the CPU's matvec loops, against the
+    matmul of the weight unpacked into its columns, whose every code sits elsewhere in a word."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    import helpers
+
+    backend = helpers.get_backend("cpu")
+    generator = torch.Generator().manual_seed(3)
+    codes = torch.randint(-8, 8, (48, 256), dtype=torch.int8, generator=generator)
+    packed = pack_to_int32(codes, 4)
+    assert (packed < 0).any()  # words with the sign bit set: the last plane's top bit
+    x = torch.randn(1, 1, 256, generator=generator).to(dtype)
+    compiled = backend.compile(q.packed_linear, **backend.use_matvec_loops())
+    for scale_dtype in (torch.bfloat16, torch.float32):
+        scales = (torch.rand(48, 256 // 32, generator=generator) / 7).to(scale_dtype)
+        weight = q.dequantize(q.unpack_rows(packed), scales, dtype)
+        expected = torch.nn.functional.linear(x.double(), weight.double()).to(dtype)
+        for fn in (q.packed_linear, compiled):
+            got = fn(x, packed, scales, dtype)
+            assert got.shape == (1, 1, 48) and got.dtype == dtype
+            torch.testing.assert_close(got, expected)  # a code read from the wrong nibble is ~0.1 off
+        many = torch.randn(3, 256, generator=generator).to(dtype)  # a prefill's rows: the matmul itself
+        assert torch.equal(q.packed_linear(many, packed, scales, dtype), torch.nn.functional.linear(many, weight))
+
+
 def test_bytes_are_packed_int4_plus_bf16_group_scales():
     module, report = q.QTable.from_embedding(_grid_table())
     assert report["bytes after"] == 64 * 96 // 2 + 64 * 96 // 32 * 2 == module.nbytes()
