@@ -1,6 +1,7 @@
 """The per-layer embedding table kept in 4-bit on the device: packed int4 codes, one scale per
 group of 32 (bf16 where that is exact, else float32), and only the rows of the current tokens
-dequantized, inside the step."""
+dequantized, inside the step; and packed int4 times activations (``packed_linear``), which
+notebook 07's int4 linears run."""
 
 from __future__ import annotations
 
@@ -261,21 +262,27 @@ class QTable(torch.nn.Module):
         """The dequantized rows of ``input_ids`` (any shape), in the table's dtype."""
         return dequantize(unpack_rows(self.packed[input_ids]), self.scales[input_ids], self.dtype)
 
+    def dequantized(self) -> torch.Tensor:
+        """The whole table, dequantized (what a tied output head multiplies by)."""
+        return dequantize(unpack_rows(self.packed), self.scales, self.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # as Gemma4TextScaledWordEmbedding rounds it: a float32 scalar cast to the table dtype
         return self.rows(input_ids) * self.embed_scale.to(self.dtype)
 
 
 class QHead(torch.nn.Module):
-    """The output head tied to a ``QTable``: the table's packed words times the hidden state
-    inside the step (``packed_linear``), so logits read exactly the values the lookups do."""
+    """The output head tied to a ``QTable``: the table dequantized inside the step, then the
+    bf16 head's own matmul, so logits read exactly the values the lookups do. Not plane by plane
+    (``packed_linear``): XLA's CPU compiler fuses this dequantization into its matmul, but makes
+    the head's plane products whole, 1.61 GB in float32 at E2B (``benchmarks/xla_programs.py``)."""
 
     def __init__(self, table: QTable):
         super().__init__()
         self.table = table
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return packed_linear(hidden, self.table.packed, self.table.scales, self.table.dtype)
+        return torch.nn.functional.linear(hidden, self.table.dequantized())
 
 
 def keep_table_in_4bit(model, checkpoint=None) -> dict:
