@@ -250,9 +250,12 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07 on {backend.name}: measure
 # With them its prefill needs 16.78 GB, the source's 16.6-16.9 GB: a compiler that materializes
 # weight-sized intermediates is the suspect to look for in a TPU program's peak. The 4-bit
 # head never makes the dequantized main table whole (no buffer of its [262144, 1536] shape:
-# the unpack is fused into its matmul); the int4 linears' dequantized weights are (75.5 MB the
-# largest, 2.27 GB at once in a step on this compiler): what a TPU compiler does with them is
-# the question to ask of its own dump.
+# the unpack is fused into its matmul). The int4 linears multiply a decode row plane by plane,
+# and this compiler makes one linear's products whole at a time (75.5 MB the largest, 153 MB at
+# once; their dequantized weights took 2.27 GB at once when unpacked into columns): the int4
+# step needs 3.49 GB, the one with the 4-bit head and fused projections 2.91 GB, 18% of the
+# 16 GB (`benchmarks/xla_programs-cpu-2026-12-05-int4-planes.txt`). What a TPU
+# compiler does with them is the question to ask of its own dump.
 #
 # **What you should see:** the same tokens and two compilations everywhere. On a CPU, K > 1
 # saves the per-call overhead (dynamo's guards, the launch), and the matvec loops row is ahead
