@@ -1,9 +1,10 @@
 """Why notebook 07's int4 linears are slower than bf16 on a CPU, and what would make them faster:
 one decode matmul at E2B's widest linear shapes, its weight read as bf16 (MKL, and the loops
-inductor writes: ``Backend.use_matvec_loops``), as ``QLinear``'s packed int4 codes multiplied
-inside the compiled step (exact: the checkpoint's bf16 values) plane by plane, as ``QLinear``
-does for one row (``qtable.packed_linear``), and unpacked into the weight's columns first, as it
-does for a prefill's rows, and through torch's own CPU int4 kernel (``aten._weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast call on a CPU), which
+inductor writes: ``Backend.use_matvec_loops``); as ``QLinear``'s packed int4 codes multiplied
+inside the compiled step (exact: the checkpoint's bf16 values), plane by plane as ``QLinear``
+does for one row (``qtable.packed_linear``), or unpacked into the weight's columns first, as it
+does for a prefill's rows; and through torch's own CPU int4 kernel
+(``aten._weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast call on a CPU), which
 multiplies codes by scales without rounding the products to bf16, so its weights are within half a
 bf16 step of the checkpoint's, not equal to them.
 
