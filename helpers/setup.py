@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
@@ -60,11 +61,13 @@ class RestartNeeded(RuntimeError):
 
 @dataclasses.dataclass
 class Plan:
-    """What to change: ``uninstall`` first, then ``torch`` (from the CPU index), then ``install``."""
+    """What to change: ``uninstall`` first, then ``torch`` (from the CPU index), then ``install``;
+    ``constraints`` (tested ranges) hold on every pip call, so pip's own resolution keeps them."""
 
     torch: str | None = None
     install: list[str] = dataclasses.field(default_factory=list)
     uninstall: list[str] = dataclasses.field(default_factory=list)
+    constraints: list[str] = dataclasses.field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.torch or self.install or self.uninstall)
@@ -75,15 +78,37 @@ class Plan:
         return "; ".join(parts) if self.torch or self.install else parts[0]
 
     def changed(self) -> list[str]:
-        return [_norm(r.split("==")[0]) for r in self.uninstall + ([self.torch] if self.torch else []) + self.install]
+        return [
+            _norm(Requirement(r).name) for r in self.uninstall + ([self.torch] if self.torch else []) + self.install
+        ]
 
-    def stale(self, modules) -> list[str]:
-        """What this plan changes under a Python that imported ``modules``: every changed
-        distribution it imported, and torch itself if it imported torch and the torch stack moves."""
-        stale = [n for n in self.changed() if n.replace("-", "_") in modules]
-        if "torch" in modules and "torch" not in stale and _TORCH_STACK & set(self.changed()):
-            stale.append("torch")
-        return stale
+    def stale(self, modules, names: dict[str, set[str]]) -> list[str]:
+        """What this plan changes under a Python that imported ``modules``, by the import names
+        of each distribution (``names``, from ``import_names``)."""
+        return stale_imports(set(self.changed()), modules, names)
+
+
+def import_names() -> dict[str, set[str]]:
+    """Each installed distribution's top-level import names, read from its installed files
+    (``importlib.metadata.packages_distributions``): pyzmq is imported as ``zmq``, PyYAML as
+    ``yaml``, setuptools also as ``_distutils_hack``."""
+    names = collections.defaultdict(set)
+    for module, distributions in importlib.metadata.packages_distributions().items():
+        for distribution in distributions:
+            names[_norm(distribution)].add(module)
+    return dict(names)
+
+
+def stale_imports(changed: set[str], modules, names: dict[str, set[str]]) -> list[str]:
+    """The distributions among ``changed`` (installed, replaced or removed) that a Python which
+    imported ``modules`` has in memory: one of their import names is among ``modules``; and
+    torch if it imported torch and the torch stack moves (TorchTPU registers itself when torch
+    is imported). A distribution this Python never had has no import name here, so it is not."""
+    imported = {m.split(".")[0] for m in modules}
+    stale = sorted(n for n in changed if names.get(n, set()) & imported)
+    if "torch" in imported and "torch" not in stale and _TORCH_STACK & changed:
+        stale.append("torch")
+    return stale
 
 
 def _norm(name: str) -> str:
@@ -94,22 +119,38 @@ def _release(version: str) -> Version:
     return Version(Version(version).public)  # "2.13.0+cpu" is torch 2.13.0
 
 
+def _requirements(path: pathlib.Path) -> list[Requirement]:
+    lines = (raw.split("#")[0].strip() for raw in path.read_text().splitlines())
+    return [Requirement(line) for line in lines if line and not line.startswith("-")]  # not "-r other.txt"
+
+
 def pins(path: pathlib.Path = REQUIREMENTS) -> dict[str, str]:
     """``name: version`` for every ``name==version`` line of the requirements file."""
     out = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if "==" in line:
-            name, version = line.split("==")
-            out[name.strip()] = version.strip()
+    for req in _requirements(path):
+        exact = [s.version for s in req.specifier if s.operator == "=="]
+        if exact:
+            out[req.name] = exact[0]
     return out
 
 
+def ranges(path: pathlib.Path = REQUIREMENTS) -> dict[str, str]:
+    """``name: specifier`` for every line of the requirements file that is a tested range, not
+    one version (``setuptools>=77.0.3,<82``): kept by pip as a constraint on every install."""
+    return {r.name: str(r.specifier) for r in _requirements(path) if not any(s.operator == "==" for s in r.specifier)}
+
+
 def plan(
-    installed: dict[str, str], pinned: dict[str, str], tpu: bool, colab: bool, python: tuple[int, int] | None = None
+    installed: dict[str, str],
+    pinned: dict[str, str],
+    tpu: bool,
+    colab: bool,
+    python: tuple[int, int] | None = None,
+    ranged: dict[str, str] | None = None,
 ) -> Plan:
     """What to install and remove so that the notebooks run, given ``installed`` (name: version)
-    under Python ``python`` (this one's by default).
+    under Python ``python`` (this one's by default). ``ranged`` (name: specifier, ``ranges()``)
+    become the plan's constraints, and are installed where missing.
 
     Outside Colab only what is missing (an environment of your own keeps its versions). In
     Colab also what is at another version, except the runtime's own torch and the packages
@@ -119,7 +160,9 @@ def plan(
     """
     python = python or sys.version_info[:2]
     installed = {_norm(n): v for n, v in installed.items()}
-    out = Plan()
+    ranged = ranged or {}
+    out = Plan(constraints=[f"{name}{spec}" for name, spec in ranged.items()])
+    out.install += [f"{name}{spec}" for name, spec in ranged.items() if _norm(name) not in installed]
     if tpu:
         if not TORCH_TPU_PYTHON.contains(f"{python[0]}.{python[1]}"):
             raise SetupError(
@@ -243,7 +286,7 @@ def install_missing() -> None:
     moved and what no longer matches; elsewhere only say what is missing. Raises
     ``RestartNeeded`` when it replaced something already imported."""
     colab = "google.colab" in sys.modules
-    todo = plan(installed_versions(), pins(), tpu=bool(tpu_chips()), colab=colab)
+    todo = plan(installed_versions(), pins(), tpu=bool(tpu_chips()), colab=colab, ranged=ranges())
     if not todo:
         print("all requirements present")
         return
@@ -252,17 +295,23 @@ def install_missing() -> None:
         return
     _one_line_in_ipython(RestartNeeded)
     print("setting up:", todo.describe(), flush=True)
-    stale, before = todo.stale(sys.modules), installed_versions()
+    before, names = installed_versions(), import_names()  # read before pip: a removed package's files go
+    constraints = pathlib.Path(tempfile.mkdtemp()) / "constraints.txt"
+    constraints.write_text("\n".join(todo.constraints) + "\n")
+    keep = ["-c", str(constraints)] if todo.constraints else []
     if todo.uninstall:
         _pip("uninstall", "-y", *todo.uninstall)
     if todo.torch:
-        _pip("install", todo.torch, "--extra-index-url", TORCH_CPU_INDEX)
+        _pip("install", todo.torch, "--extra-index-url", TORCH_CPU_INDEX, *keep)
     if todo.install:  # torch is already at a version TorchTPU accepts: pip keeps it
-        _pip("install", *todo.install)
+        _pip("install", *todo.install, *keep)
     after = installed_versions()
     also = moved(before, after, todo)
     print("also moved (pip, for what was installed):", ", ".join(also) if also else "nothing")
     changed = set(todo.changed()) | {n for n in before.keys() | after.keys() if before.get(n) != after.get(n)}
+    for name, modules in import_names().items():  # a package pip installed anew: its names now
+        names[name] = names.get(name, set()) | modules
+    stale = stale_imports(changed, sys.modules, names)
     broken, older = pip_check(changed)
     broken += unmatched_extras(changed)
     print(

@@ -10,6 +10,8 @@ import sysconfig
 import urllib.parse
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 import helpers
 from helpers import course, setup
@@ -58,7 +60,7 @@ PY313 = (3, 13)  # os-info-tpu.txt: Python 3.13.15
 
 def test_pins_are_read_from_the_notebooks_requirements_and_the_test_tools_are_apart():
     assert PINS["torch"] == "2.13.0" and "transformers" in PINS and "compressed-tensors" in PINS
-    assert {"pytest", "pytest-xdist", "nbval", "jupytext", "hypothesis", "ruff"} <= TEST_ONLY
+    assert {"pytest", "pytest-xdist", "nbclient", "jupytext", "hypothesis", "ruff"} <= TEST_ONLY
 
 
 def test_the_published_set_reads_as_colab_says():
@@ -68,7 +70,7 @@ def test_the_published_set_reads_as_colab_says():
 
 
 def test_on_colabs_published_tpu_runtime_the_plan_moves_only_what_it_must():
-    todo = setup.plan(COLAB_TPU_2026_08_19, PINS, tpu=True, colab=True, python=PY313)
+    todo = setup.plan(COLAB_TPU_2026_08_19, PINS, tpu=True, colab=True, python=PY313, ranged=setup.ranges())
     assert todo.torch == f"torch=={PINS['torch']}+cpu"
     assert setup.TORCH_TPU_TORCH.contains(PINS["torch"])  # a torch TorchTPU accepts
     assert todo.uninstall == ["torchvision", "torchaudio", "torchcodec", "torch_xla"]  # companions, then PyTorch/XLA
@@ -76,9 +78,59 @@ def test_on_colabs_published_tpu_runtime_the_plan_moves_only_what_it_must():
     assert {"torch-tpu", "libtpu"} <= names
     assert not names & {setup._norm(n) for n in TEST_ONLY}  # nothing only tests use
     assert not names & IMPORTED_AT_START  # nothing the runtime imported at start
-    # nothing else: the model path at the tested versions (tokenizers moves with transformers anyway)
-    assert names == {"transformers", "compressed-tensors", "accelerate", "tokenizers", "torch-tpu", "libtpu"}
+    # nothing else: the model path at the tested versions (tokenizers moves with transformers anyway;
+    # huggingface_hub would move to 2.x with it, where the runtime's datasets takes <2.0)
+    assert names == {
+        "transformers",
+        "compressed-tensors",
+        "accelerate",
+        "tokenizers",
+        "huggingface-hub",
+        "torch-tpu",
+        "libtpu",
+    }
     assert "filelock" not in names  # 3.32.3 will do: only FileLock is used
+    assert todo.constraints == ["setuptools<82,>=77.0.3"]  # held on every pip call
+
+
+def _installed_requirement(distribution: str, on: str) -> SpecifierSet:
+    """What the installed ``distribution`` (here at the version the course pins) asks of ``on``."""
+    import importlib.metadata
+
+    for line in importlib.metadata.requires(distribution):
+        req = Requirement(line)
+        if setup._norm(req.name) == on and req.marker is None:
+            return req.specifier
+    raise AssertionError(f"{distribution} asks nothing of {on}")
+
+
+def test_on_the_freeze_setuptools_keeps_pkg_resources_and_meets_the_new_torch():
+    todo = setup.plan(COLAB_TPU_2026_08_19, PINS, tpu=True, colab=True, python=PY313, ranged=setup.ranges())
+    assert todo.torch and COLAB_TPU_2026_08_19["setuptools"] == "75.2.0"
+    held = SpecifierSet(setup.ranges()["setuptools"])
+    torch_needs = _installed_requirement("torch", "setuptools")  # torch 2.13.0: >=77.0.3, above the runtime's
+    assert not torch_needs.contains(COLAB_TPU_2026_08_19["setuptools"])  # so pip moves it, inside `held`
+    assert not held.contains("82.0.0") and not held.contains("84.2.1")  # 82 dropped pkg_resources
+    assert any(held.contains(v) and torch_needs.contains(v) for v in ("77.0.3", "80.9.0", "81.0.0"))
+
+
+def _runtime_requires() -> list[tuple[str, Requirement]]:
+    """The freeze's packages' requirements on what the plan moves, recorded from their wheels."""
+    lines = (ROOT / "tests" / "colab_tpu_runtime" / "requires-dist.txt").read_text().splitlines()
+    return [(ln.split(": ")[0], Requirement(ln.split(": ")[1])) for ln in lines if ln and not ln.startswith("#")]
+
+
+def test_on_the_freeze_huggingface_hub_meets_the_runtimes_datasets_and_the_pinned_transformers():
+    todo = setup.plan(COLAB_TPU_2026_08_19, PINS, tpu=True, colab=True, python=PY313, ranged=setup.ranges())
+    planned = {setup._norm(Requirement(r).name): Requirement(r) for r in todo.install}
+    hub = next(iter(planned["huggingface-hub"].specifier)).version
+    recorded = _runtime_requires()
+    assert ("datasets==4.8.5", Requirement("huggingface-hub<2.0,>=0.25.0")) in recorded
+    for who, req in recorded:
+        name, version = who.split("==")
+        assert COLAB_TPU_2026_08_19[name] == version and setup._norm(name) not in planned  # left as it is
+        assert req.specifier.contains(hub), f"{who} asks {req}, the plan installs {hub}"
+    assert _installed_requirement("transformers", "huggingface-hub").contains(hub)  # transformers 5.24.0
 
 
 def test_without_a_tpu_colabs_runtime_keeps_its_torch_and_gets_a_compressed_tensors_for_it():
@@ -146,11 +198,20 @@ def test_a_runtime_version_that_will_not_do_is_replaced():
 
 def test_a_restart_is_asked_for_when_the_plan_changes_what_was_imported():
     todo = setup.plan({**COLAB, "torch": "2.8.0"}, PINS, tpu=True, colab=True)
-    assert todo.stale({"os", "sys"}) == []
-    assert todo.stale({"torch"}) == ["torch"]
-    assert "transformers" in todo.stale({"transformers"})
+    names = setup.import_names()  # this environment's: transformers is imported as transformers
+    assert todo.stale({"os", "sys"}, names) == []
+    assert todo.stale({"torch", "torch.nn"}, names) == ["torch"]
+    assert "transformers" in todo.stale({"transformers.models"}, names)
     torch_tpu_only = setup.Plan(install=["torch_tpu==0.2.0"])
-    assert torch_tpu_only.stale({"torch"}) == ["torch"]  # its import hook registers at `import torch`
+    assert torch_tpu_only.stale({"torch"}, names) == ["torch"]  # its import hook registers at `import torch`
+
+
+def test_the_restart_is_decided_from_real_import_names():
+    names = setup.import_names()
+    assert "zmq" in names["pyzmq"] and "yaml" in names["pyyaml"]  # a distribution's name is not its module's
+    assert setup.stale_imports({"pyzmq"}, {"zmq", "zmq.sugar"}, names) == ["pyzmq"]
+    assert setup.stale_imports({"pyzmq"}, {"pyzmq"}, names) == []  # no module of that name exists
+    assert setup.stale_imports({"new-package"}, {"new_package"}, {}) == []  # never installed: never imported
 
 
 def test_install_missing_runs_pip_in_order_says_what_else_moved_and_raises_for_a_restart(monkeypatch, capsys):
@@ -163,14 +224,18 @@ def test_install_missing_runs_pip_in_order_says_what_else_moved_and_raises_for_a
     versions = iter([before, before, after])
     monkeypatch.setattr(setup, "_pip", lambda *args: calls.append(args))
     monkeypatch.setattr(setup, "installed_versions", lambda: next(versions))
+    monkeypatch.setattr(setup, "import_names", lambda: {"pyzmq": {"zmq"}, "torch": {"torch"}})
     monkeypatch.setattr(setup, "pip_check", lambda changed: (["datasets 4.8.5 has requirement x"], 2))
     monkeypatch.setattr(setup, "unmatched_extras", lambda changed: [])
     monkeypatch.setattr(setup, "tpu_chips", lambda: ["v5e"])
     monkeypatch.setitem(sys.modules, "google.colab", type(sys)("google.colab"))
-    with pytest.raises(setup.RestartNeeded, match="restart"):
+    monkeypatch.setitem(sys.modules, "zmq", type(sys)("zmq"))  # the kernel's own, which pip moved below
+    with pytest.raises(setup.RestartNeeded, match=r"already imported \(pyzmq, torch\)"):
         setup.install_missing()
     assert [c[0] for c in calls] == ["uninstall", "install", "install"]
-    assert calls[1][1:] == (f"torch=={PINS['torch']}+cpu", "--extra-index-url", setup.TORCH_CPU_INDEX)
+    assert calls[1][1:4] == (f"torch=={PINS['torch']}+cpu", "--extra-index-url", setup.TORCH_CPU_INDEX)
+    assert calls[1][4] == calls[2][-2] == "-c"  # the tested ranges held on every install
+    assert pathlib.Path(calls[1][5]).read_text().split() == [f"setuptools{setup.ranges()['setuptools']}"]
     out = capsys.readouterr().out
     assert "setting up: remove torchvision; install torch==" in out
     assert "also moved (pip, for what was installed): pyzmq 26.2.1 -> 27.1.0, +tensorboard 2.20.0" in out
