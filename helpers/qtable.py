@@ -97,7 +97,7 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
 def exact_scales(steps: torch.Tensor) -> torch.Tensor:
     """``steps`` in bf16 where every one is a bf16 number (half the bytes), else in float32."""
     narrow = steps.to(torch.bfloat16)
-    return narrow if torch.equal(narrow.float(), steps.float()) else steps.float()
+    return narrow if torch.equal(narrow.float(), steps.float()) else steps.float()  # a cast, no arithmetic
 
 
 def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,20 +31,23 @@ class Series:
 
     def same_tokens(self, tokens: list[int]) -> ck.Verdict:
         """Whether ``tokens`` (a run's, up to its first stop) are notebook 03's, over the
-        ``new_tokens`` notebook 03 made (a timed run makes more): equal lists where the
-        arithmetic is exact (the float32 twin); in bf16, teacher-forced against the checkpoint's
-        reference model (built once, on the host, dequantized independently of the series'
-        loading path), where two programs may round a near tie differently
+        ``new_tokens`` notebook 03 made (a timed run makes more): teacher-forced against the
+        checkpoint's reference model (built once, on the host, in the series' dtype, dequantized
+        independently of the series' loading path), since two programs round differently with
+        the thread count, the CPU and the compiler: each token its argmax or a near tie
         (``checkpoint.compare_tokens``)."""
         tokens = tokens[: self.new_tokens]
-        if ck.series_dtype(self.checkpoint) == torch.float32:
-            return ck.compare_tokens(tokens, self.reference)
         key = tuple(tokens)  # one teacher-forced forward per distinct list: at full size, seconds each
         if key not in self._verdicts:  # looked up first: a dropped reference model is rebuilt only when needed
-            if self._reference_model is None:
-                self._reference_model = ck.reference_model(self.checkpoint)
-            self._verdicts[key] = ck.compare_tokens(tokens, self.reference, self._reference_model, self.ids)
+            self._verdicts[key] = ck.compare_tokens(tokens, self.reference, self.reference_model(), self.ids)
         return self._verdicts[key]
+
+    def reference_model(self) -> torch.nn.Module:
+        """The checkpoint's reference model, on the host in the series' dtype, built on first use
+        (``checkpoint.reference_model``): what "the same tokens" is judged against."""
+        if self._reference_model is None:
+            self._reference_model = ck.reference_model(self.checkpoint, ck.series_dtype(self.checkpoint))
+        return self._reference_model
 
     def drop_reference_model(self) -> None:
         """Free the reference model (a host copy of the text decoder: 9 GB at E2B) until a

@@ -54,6 +54,7 @@ def test_measure_reports_medians_and_the_same_tokens(setup):
     backend, _, model, tokenizer, ids = setup
     tokens, _, _ = g.generate(model, tokenizer, ids, backend, 4)
     measured = g.measure(model, tokenizer, ids, backend, 4, repeats=2, warmup=1)
+    # equal lists: generate's eager forward, the same program on the same inputs each run
     assert measured["tokens"] == tokens and measured["prefill_s"] > 0 and measured["decode_tok_s"] > 0
 
 
@@ -101,4 +102,4 @@ def test_defer_and_fuse_compiles_every_step_of_a_first_call_and_none_of_a_second
     calls = g.first_and_second_call(model, tokenizer, ids, backend, 4)
     fused = calls["defer_and_fuse"]
     assert all(p > 0 for p in fused["programs_first"]) and sum(fused["programs_second"]) == 0
-    assert fused["tokens"] == calls["eager"]["tokens"]
+    assert ck.compare_tokens(fused["tokens"], calls["eager"]["tokens"], model, ids)  # two programs: the verdict

@@ -85,7 +85,7 @@ def test_the_reference_is_trustworthy_hf_no_cache_masks_equal_the_definition(tin
     seq = torch.randint(0, 512, (1, 5 * W + 3), generator=torch.Generator().manual_seed(0))
     hf, _ = _no_cache(tiny, seq)
     ours, _ = _no_cache(tiny, seq, _by_definition(seq.shape[1]))
-    assert torch.equal(hf, ours)
+    torch.testing.assert_close(hf, ours)  # float32's default tolerance: HF may take another SDPA path
     full_only, _ = _no_cache(
         tiny,
         seq,
@@ -126,7 +126,7 @@ class _Attn:  # what an attention function reads of its layer
 
 
 @pytest.mark.parametrize("queries", [1, 5])
-def test_grouped_attention_gives_transformers_sdpa_values_exactly(queries):
+def test_grouped_attention_gives_transformers_sdpa_values(queries):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     torch.manual_seed(queries)
@@ -135,9 +135,9 @@ def test_grouped_attention_gives_transformers_sdpa_values_exactly(queries):
     theirs, _ = sdpa_attention_forward(_Attn(), q, k, v, mask, scaling=0.5)
     ours, _ = ring.grouped_attention(_Attn(), q, k, v, mask, scaling=0.5)
     assert ours.shape == theirs.shape == (2, queries, 8, 16)
-    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(ours, theirs)  # another call shape: float32's default tolerance, not bits
     shuffled = ring.grouped_attention(_Attn(), q, k, v, mask.flip(2), scaling=0.5)[0]
-    assert queries == 1 or not torch.equal(shuffled, theirs)  # each query's mask row reaches its own heads
+    assert queries == 1 or not torch.allclose(shuffled, theirs)  # each query's mask row reaches its own heads
 
 
 def test_grouped_attention_refuses_what_it_cannot_group():
@@ -150,14 +150,14 @@ def test_grouped_attention_refuses_what_it_cannot_group():
 
 def test_the_ring_with_grouped_attention_gives_the_same_logits(cpu):
     """The model's own attention, then grouped, over a prompt crossing the window in chunks and
-    token by token after it: the same logits, bit for bit."""
+    token by token after it: the same logits, within float32's default tolerance."""
     torch.manual_seed(0)
     model = Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()
     seq = torch.randint(0, 512, (1, 3 * W + 7), generator=torch.Generator().manual_seed(1))
     before, _ = _through_the_ring(ring.RingDecoder(model, cpu, max_len=4 * W, chunk_size=5), seq, 2 * W + 1)
     assert ring.group_query_heads(model) == "sdpa" and model.config._attn_implementation == ring.GROUPED
     after, _ = _through_the_ring(ring.RingDecoder(model, cpu, max_len=4 * W, chunk_size=5), seq, 2 * W + 1)
-    assert torch.equal(before, after)
+    torch.testing.assert_close(before, after)
 
 
 def test_the_cache_holds_a_window_per_sliding_layer_a_full_buffer_per_full_layer_and_nothing_when_shared(tiny, cpu):
@@ -189,7 +189,7 @@ def test_a_max_len_that_is_no_multiple_of_the_chunk_gives_the_no_cache_tokens(ti
     seq = prompt
     for _ in range(6):
         seq = torch.cat([seq, _no_cache(tiny, seq)[0][-1:].argmax(-1)[None]], dim=1)
-    assert tokens == seq[0, prompt.shape[1] :].tolist()
+    assert ck.compare_tokens(tokens, seq[0, prompt.shape[1] :].tolist(), tiny, prompt)
 
 
 def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(tiny, cpu):
@@ -211,6 +211,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     checkpoint, model, tokenizer, ids = series.load_for_series(backend)
     n = ck.generation_length(backend)
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
+    independent = ck.reference_model(checkpoint, ck.series_dtype(checkpoint))  # on the host
     d.strip_compressed_wrappers(model)
     qtable.keep_table_in_4bit(model)
     ring.group_query_heads(model)  # as notebook 06 runs it: the compiled grouped attention, on each backend
@@ -218,13 +219,13 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     decoder = ring.RingDecoder(model, backend, max_len=256)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
-    assert tokens == reference and count.graphs == 2  # one prefill chunk, one decode step
+    assert ck.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2  # a chunk, a step
     long = ids.repeat(1, 8)[:, : 7 * W + 3]  # crosses the window seven times; the last chunk padded
     with backend.compile_counter() as again, d.no_recompiles():
         tokens = decoder.generate(long, n, stop_ids=())  # exactly n: the reference below never stops
     assert again.graphs == 0
-    seq = long
+    seq = long.cpu()
     with torch.no_grad():
         for _ in range(n):
-            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
-    assert tokens == seq[0, long.shape[1] :].tolist()
+            seq = torch.cat([seq, independent(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
+    assert ck.compare_tokens(tokens, seq[0, long.shape[1] :].tolist(), independent, long)

@@ -1,7 +1,12 @@
 """The synthetic E2B checkpoint: built by the same code at a slice of the size (the twin's
 shapes), it has the export's layout and file set, loads, decodes without collapsing onto one
 token, and keeps its tables on a grid finer than bf16; at full size, its layout on the meta
-device has the export's 2,504 tensors and 7.75 GiB."""
+device has the export's 2,504 tensors and 7.75 GiB.
+
+Every ``torch.equal`` here compares data identical by construction: integer codes, packed words,
+weights, rows gathered and dequantized exactly (one rounding to bf16, as the checkpoint's
+values were made), or one program's output twice. Two programs are compared within a dtype's
+tolerance or by the series' token verdict instead."""
 
 import json
 

@@ -1,4 +1,9 @@
-"""The tiny twin has the real checkpoint's class, layout, names, packing and quirks."""
+"""The tiny twin has the real checkpoint's class, layout, names, packing and quirks.
+
+Every ``torch.equal`` here compares data identical by construction: integer codes, packed words,
+weights, rows gathered and dequantized exactly (one rounding to bf16, as the checkpoint's
+values were made), or one program's output twice. Two programs are compared within a dtype's
+tolerance or by the series' token verdict instead."""
 
 import json
 
