@@ -146,6 +146,7 @@ class Backend:
             parts.append(f"{total / 2**30:.1f} GiB device memory")
         if self.name == "xla":
             parts.append(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+        parts.append(f"{torch.get_num_threads()} CPU threads")  # what the host's ops run on (a reader's default)
         return ", ".join(parts)
 
     # --- waiting and memory -------------------------------------------------------------
@@ -196,6 +197,16 @@ class Backend:
                 return 16 * 2**30  # one v5e chip, the course's target
         if self.name == "xla":
             return (self._xla_memory_info() or {}).get("bytes_limit")
+        return None
+
+    def free_bytes(self) -> int | None:
+        """Free device memory where the backend says it (its total less what is in use); host
+        RAM on cpu; None where neither is known."""
+        total = self.memory_total()
+        if total is not None:
+            return total - (self.memory() or {"in_use": 0})["in_use"]
+        if self.name == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return None
 
     # --- the three modes ----------------------------------------------------------------

@@ -85,17 +85,6 @@ def text_config(config):
 
 
 # --- preflight: refuse before loading what cannot fit ----------------------------------------
-def available_bytes(backend: Backend) -> int | None:
-    """Free device memory where the backend says it; host RAM on cpu."""
-    total = backend.memory_total()
-    if total is not None:
-        memory = backend.memory() or {"in_use": 0}
-        return total - memory["in_use"]
-    if backend.name == "cpu":
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    return None
-
-
 def preflight(
     config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None
 ) -> str:
@@ -103,7 +92,7 @@ def preflight(
 
     ``available`` and ``where`` describe another device than this backend's (a what-if)."""
     needed = estimate_device_bytes(config, dequantize)
-    available = available_bytes(backend) if available is None else available
+    available = backend.free_bytes() if available is None else available
     where = where or backend.name
     if available is None:
         return f"preflight: needs ~{fmt_bytes(needed)}; {where} does not report its free memory"
@@ -340,20 +329,30 @@ def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, ne
     return tokens
 
 
-# --- "the same tokens", also where two programs round bf16 differently -----------------------
-NEAR_TIE_ULPS = 4  # two programs rounding bf16 differently move a logit by a few units in its last place
+# --- "the same tokens": one verdict for two programs that round differently ---------------------
+NEAR_TIE_ULPS = 4  # two programs rounding differently move a logit by a few units in its last place
+
+
+def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One unit in the last place of each of ``values`` at ``dtype``'s precision: bf16 keeps 8
+    significant bits (``finfo.eps`` 2**-7), float32 24 (2**-23)."""
+    exponent = torch.floor(torch.log2(values.float().abs().clamp_min(torch.finfo(torch.float32).tiny)))
+    return torch.exp2(exponent) * torch.finfo(dtype).eps
 
 
 @dataclasses.dataclass
 class Verdict:
     """Whether a run's tokens are the reference's, and how that was decided.
 
-    ``exact``: compared as lists (exact arithmetic: the float32 twin). Otherwise teacher-forced
-    against a reference model: each token must be its argmax there, or within ``tolerance_ulps``
-    units in the last place (bf16, at the top logit) of it, a near tie. ``first_divergence``:
-    the first position where the lists part (None if they do not); ``gap``: the reference's
-    logit gap there (teacher-forced); ``failed_at``: the first token that is no near tie;
-    ``near_ties``: (position, gap) of every near tie met."""
+    ``exact``: compared as lists, which holds only where the two runs' arithmetic is the same
+    by construction (one program twice). Otherwise teacher-forced against a reference model:
+    each token must be its argmax there, or within ``tolerance_ulps`` units in the last place
+    of the top logit (in ``dtype``, the reference's logits') of it, a near tie.
+    ``first_divergence``: the first position where the lists part (None if they do not);
+    ``gap``: the reference's logit gap there (teacher-forced); ``failed_at``: the first token
+    that is no near tie, or where one list ends and the other goes on with the same tokens;
+    ``near_ties``: (position, gap) of every near tie met; ``largest_ulps``: the largest gap
+    seen at a token that is not the argmax, in ulps (0: every token is the argmax)."""
 
     same: bool
     exact: bool
@@ -362,56 +361,71 @@ class Verdict:
     failed_at: int | None = None
     near_ties: list[tuple[int, float]] = dataclasses.field(default_factory=list)
     tolerance_ulps: int = NEAR_TIE_ULPS
-    failed_ulps: float | None = None  # the gap at ``failed_at``, in bf16 ulps of the top logit
+    failed_ulps: float | None = None  # the gap at ``failed_at``, in ulps of the top logit
+    dtype: str = "bfloat16"
+    largest_ulps: float = 0.0
 
     def __bool__(self) -> bool:
         return self.same
 
     def __str__(self) -> str:
-        how = "equal lists" if self.exact else f"teacher-forced, near ties within {self.tolerance_ulps} bf16 ulps"
+        how = (
+            "equal lists"
+            if self.exact
+            else f"teacher-forced, near ties within {self.tolerance_ulps} {self.dtype} ulps,"
+            f" largest gap seen {self.largest_ulps:.1f} ulps"
+        )
         parts = "never part" if self.first_divergence is None else f"first part at token {self.first_divergence}"
         if self.gap is not None and self.first_divergence is not None:
             parts += f" (reference logit gap there {self.gap:.3g})"
         ties = f", {len(self.near_ties)} near tie(s) at {[p for p, _ in self.near_ties]}" if self.near_ties else ""
-        failed = (
-            f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
-            if self.failed_at is not None
-            else ""
-        )
+        failed = ""
+        if self.failed_at is not None:
+            failed = (
+                f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
+                if self.failed_ulps is not None
+                else f", one list ends at token {self.failed_at} where the other goes on"
+            )
         return f"same tokens: {self.same} ({how}; {parts}{ties}{failed})"
 
 
 def teacher_forced_gaps(model, ids: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of the prompt ``ids`` [1, L] and ``tokens`` through ``model``: at each
-    generated position, the top logit less the logit of the token there (0: its argmax), and
-    one bf16 unit in the last place at the top logit's magnitude."""
+    """One forward of the prompt ``ids`` [1, L] and ``tokens`` through ``model`` (no cache): at
+    each generated position, the top logit less the logit of the token there (0: its argmax),
+    and one unit in the last place of the top logit at the logits' dtype."""
     device = next(model.parameters()).device
-    full = torch.cat([ids.cpu(), torch.tensor([tokens])], dim=1).to(device)
+    full = torch.cat([ids.cpu(), torch.tensor([tokens], dtype=ids.dtype)], dim=1).to(device)
     with torch.no_grad():
-        logits = model(full).logits[0, ids.shape[1] - 1 : ids.shape[1] - 1 + len(tokens)].float().cpu()
+        logits = model(full, use_cache=False).logits[0, ids.shape[1] - 1 : ids.shape[1] - 1 + len(tokens)]
+    dtype, logits = logits.dtype, logits.float().cpu()
     top = logits.max(-1).values
     gaps = top - logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    ulps = torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(2**-126))) - 7)  # bf16 keeps 8 significant bits
-    return gaps, ulps
+    return gaps, ulp(top, dtype)
 
 
 def compare_tokens(
     tokens: list[int], reference: list[int], model=None, ids=None, tolerance_ulps: int = NEAR_TIE_ULPS
 ) -> Verdict:
-    """The one comparison of the series. Without ``model``: the lists must be equal (exact
-    arithmetic). With the reference ``model`` and the prompt ``ids``: teacher-forced, each of
-    ``tokens`` the model's argmax after the ones before it, or a near tie."""
+    """The one comparison of the series. With the reference ``model`` and the prompt ``ids``:
+    teacher-forced, each of ``tokens`` the model's argmax after the ones before it, or a near
+    tie. Without ``model``: the lists must be equal, for two runs whose arithmetic is the same
+    by construction (one program, run twice on the same inputs)."""
     parted = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+    ended = None  # the same tokens, but one list stops where the other goes on: no tie explains that
     if parted is None and len(tokens) != len(reference):
-        parted = min(len(tokens), len(reference))
+        parted = ended = min(len(tokens), len(reference))
     if model is None:
         return Verdict(same=parted is None, exact=True, first_divergence=parted, tolerance_ulps=tolerance_ulps)
-    gaps, ulps = teacher_forced_gaps(model, ids, tokens)
-    ties = [(i, float(g)) for i, (g, u) in enumerate(zip(gaps, ulps)) if 0 < g <= tolerance_ulps * u]
-    failed = next((i for i, (g, u) in enumerate(zip(gaps, ulps)) if g > tolerance_ulps * u), None)
+    gaps, ulps = teacher_forced_gaps(model, ids, tokens) if tokens else (torch.zeros(0), torch.ones(0))
+    in_ulps = gaps / ulps
+    ties = [(i, float(g)) for i, (g, u) in enumerate(zip(gaps, in_ulps)) if 0 < u <= tolerance_ulps]
+    failed = min((i for i, u in enumerate(in_ulps) if u > tolerance_ulps), default=ended)
+    failed = failed if ended is None else min(failed, ended)
     gap = float(gaps[parted]) if parted is not None and parted < len(tokens) else None
-    failed_ulps = float(gaps[failed] / ulps[failed]) if failed is not None else None
-    return Verdict(failed is None, False, parted, gap, failed, ties, tolerance_ulps, failed_ulps)
+    failed_ulps = float(in_ulps[failed]) if failed is not None and failed != ended else None
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    largest = float(in_ulps.max()) if len(in_ulps) else 0.0
+    return Verdict(failed is None, False, parted, gap, failed, ties, tolerance_ulps, failed_ulps, dtype, largest)
 
 
 def unpack_is_exact(device) -> bool:
@@ -426,4 +440,4 @@ def unpack_is_exact(device) -> bool:
 
     codes = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 4)
     unpacked = unpack_from_int32(pack_to_int32(codes, 4).to(device), 4, codes.shape)
-    return torch.equal(unpacked.cpu(), codes)
+    return torch.equal(unpacked.cpu(), codes)  # integer codes: right or wrong, no rounding

@@ -9,6 +9,7 @@ import os
 import pathlib
 
 from .backend import Backend
+from .e2b import estimate_device_bytes, real_config
 from .synthetic import SYNTHETIC, build_synthetic_e2b
 from .twin import build_tiny_twin
 
@@ -104,10 +105,21 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
         return None
 
 
+def real_model_fits(backend: Backend) -> tuple[bool, str]:
+    """Whether E2B's text decoder fits this device's free memory once it has run a forward (the
+    preflight's estimate, ``e2b.estimate_device_bytes``, from the real configuration), and the
+    numbers, for the printed reason."""
+    needed, free = estimate_device_bytes(real_config(), dequantize=False), backend.free_bytes()
+    if free is None:
+        return False, f"E2B needs ~{needed / 1e9:.1f} GB and {backend.name} does not report its free memory"
+    return needed <= free, f"E2B needs ~{needed / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
+
+
 def choose_checkpoint(backend: Backend) -> Checkpoint:
-    """The real checkpoint on a TPU, else the tiny twin; ``$HELPERS_MODEL`` decides
-    if set (a repo id, a local folder, or ``tiny``). When the Hub cannot be reached, the cached
-    snapshot if there is one, else the twin, with the reason in the printed line."""
+    """The real checkpoint on a TPU, and on a CUDA GPU where it fits (a Colab T4 or L4 when there
+    is no TPU quota), else the tiny twin; ``$HELPERS_MODEL`` decides if set (a repo id, a local
+    folder, or ``tiny``). When the Hub cannot be reached, the cached snapshot if there is one,
+    else the twin, with the reason in the printed line."""
     asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
     if asked == "tiny":
         return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
@@ -117,12 +129,18 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
         )
     if asked:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
-    if backend.name != "tpu":
-        return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU here (backend {backend.name})")
+    if backend.name not in ("tpu", "cuda"):
+        return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU or GPU here (backend {backend.name})")
+    where = "a TPU"
+    if backend.name == "cuda":
+        fits, numbers = real_model_fits(backend)
+        if not fits:
+            return Checkpoint(str(build_tiny_twin()), None, True, f"a GPU too small for E2B ({numbers})")
+        where = f"a GPU where E2B fits ({numbers})"
     token, unreachable = _hub_access(REPO_ID)
     if unreachable is None:
         return Checkpoint(
-            REPO_ID, revision, False, "a TPU, and the Hub " + ("with your token" if token else "(public)")
+            REPO_ID, revision, False, f"{where}, and the Hub " + ("with your token" if token else "(public)")
         )
     cached = _cached_snapshot(REPO_ID, revision)
     if cached:

@@ -20,7 +20,8 @@ class QLinear(torch.nn.Module):
     """A drop-in for a bias-free ``nn.Linear`` whose weight stays compressed on the device.
 
     Args: ``codes``, int8 [out, in] (format ``int8``) or int32 words [out, in / 8] (``int4``,
-    compressed-tensors' ``pack-quantized`` layout); ``scales``, bf16 [out, in / 32];
+    compressed-tensors' ``pack-quantized`` layout); ``scales`` [out, in / 32], bf16 (the
+    checkpoint's), or float32 where a grid's step is finer than bf16 (``from_linear``);
     ``dtype``, the dtype of the weight the matmul sees. ``forward(x)``: [..., in] -> [..., out]."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str):
@@ -63,17 +64,22 @@ class QLinear(torch.nn.Module):
 
 
 def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
-    """Swap every text linear the checkpoint saved packed for a ``QLinear`` in ``fmt`` built
-    from the checkpoint's own codes and scales (never re-quantized); the dense weights are
-    freed. Returns the count and bytes before and after."""
+    """Swap every text linear for a ``QLinear`` in ``fmt``, never re-quantized: built from the
+    checkpoint's own codes and scales where it saved them packed (Google's ``-ct`` export), or,
+    for a checkpoint that saved no packed weight (the QAT repository's dense bf16), from each
+    dense weight's own 4-bit grid, recovered exactly (a weight off its grid is refused). The
+    dense weights are freed. Returns where the codes came from, the count, and bytes before and
+    after; a model with no linear to swap is refused, never timed under this name."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    before = after = swapped = 0
+    before = after = 0
+    built = {}
     with CheckpointTensors(local_folder(checkpoint)) as tensors:
+        packed = any(key.endswith(".weight_packed") for key in tensors.keys())
         for name, module in list(model.model.named_modules()):
             stem = checkpoint_key(f"model.{name}") + "."
-            if stem + "weight_packed" not in tensors or not hasattr(module, "in_features"):
-                continue  # not a linear's (a table saved packed is QTable's)
+            if not hasattr(module, "in_features") or (packed and stem + "weight_packed" not in tensors):
+                continue  # not a linear, or one the checkpoint did not pack (a table saved packed is QTable's)
             if not isinstance(module, (torch.nn.Linear, QLinear)):
                 raise ValueError(
                     f"{name} is a {type(module).__name__}, not a linear (fused projections?): keep the linears "
@@ -81,16 +87,30 @@ def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
                 )  # a QLinear already there is rebuilt in the format asked for below
             if getattr(module, "bias", None) is not None:
                 raise ValueError(f"{name} has a bias: QLinear keeps bias-free linears only")
-            packed = tensors.get(stem + "weight_packed")
-            scales = tensors.get(stem + "weight_scale").to(torch.bfloat16)
-            shape = torch.Size(tensors.get(stem + "weight_shape").tolist())
-            codes = packed if fmt == "int4" else unpack_from_int32(packed, 4, shape).to(torch.int8)
             held = [module.codes, module.scales] if isinstance(module, QLinear) else [module.weight]
-            device, dtype = held[0].device, module.dtype if isinstance(module, QLinear) else module.weight.dtype
-            q = QLinear(codes.to(device), scales.to(device), dtype, fmt)
+            if packed:
+                words = tensors.get(stem + "weight_packed")
+                scales = tensors.get(stem + "weight_scale").to(torch.bfloat16)
+                shape = torch.Size(tensors.get(stem + "weight_shape").tolist())
+                codes = words if fmt == "int4" else unpack_from_int32(words, 4, shape).to(torch.int8)
+                device, dtype = held[0].device, module.dtype if isinstance(module, QLinear) else module.weight.dtype
+                q = QLinear(codes.to(device), scales.to(device), dtype, fmt)
+            else:
+                try:
+                    q = QLinear.from_linear(module, fmt)
+                except ValueError as err:
+                    raise ValueError(
+                        f"{name}: {err}, and the checkpoint saved no packed codes to use instead"
+                    ) from None
             before += sum(t.numel() * t.element_size() for t in held)
             after += sum(t.numel() * t.element_size() for t in (q.codes, q.scales))
-            parent, _, child = name.rpartition(".")
-            setattr(model.model.get_submodule(parent) if parent else model.model, child, q)
-            swapped += 1
-    return {"format": fmt, "linears": swapped, "bytes before": before, "bytes after": after}
+            built[name] = q
+    if not built:
+        raise ValueError(
+            f"{checkpoint}: no text linear to keep compressed, so nothing would be measured as {fmt} linears"
+        )
+    for name, q in built.items():  # swapped once every one is built: a refusal leaves the model as it was
+        parent, _, child = name.rpartition(".")
+        setattr(model.model.get_submodule(parent) if parent else model.model, child, q)
+    source = "the checkpoint's packed codes and scales" if packed else "each dense weight's own 4-bit grid"
+    return {"format": fmt, "from": source, "linears": len(built), "bytes before": before, "bytes after": after}

@@ -64,6 +64,12 @@ def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunk's absolute positions [C] and which are not padding [C], passed from the model's
     forward through the attention kwargs to every layer: inputs of the step, not cache state."""
     kwargs = kwargs.get("kwargs", kwargs)
+    if "ring_positions" not in kwargs:
+        raise ValueError(
+            "a RingCache needs each forward's absolute positions and the ring's masks, which transformers' "
+            "generate does not give: call model.generate(..., cache=cache) inside "
+            "`with helpers.ring.inside_generate(model):`, or use helpers.ring.RingDecoder"
+        )
     return kwargs["ring_positions"], kwargs["ring_valid"]
 
 
@@ -184,11 +190,13 @@ class RingCache(Cache):
 
 
 @contextlib.contextmanager
-def _hooked_for_generate(text_model):
-    """Hooks on the text model, for the block only, that give a forward called with a
-    ``RingCache`` but without ring inputs (transformers' ``generate``) the ring's masks and
-    positions, and commit them after. By hand: ``generate`` builds masks that assume keys at
-    positions 0..n, not a ring."""
+def inside_generate(model):
+    """Inside the block, transformers' own ``model.generate(ids, cache=RingCache(...), ...)``
+    runs on the ring with any generation config (greedy or sampled, a streamer, stop strings):
+    hooks on the text model give each forward called with a ``RingCache`` the ring's masks and
+    absolute positions, and record after it which position each ring slot holds. By hand:
+    ``generate`` builds masks that assume keys at positions 0..n, not a ring. The hooks are
+    removed when the block ends."""
 
     def before(module, args, kwargs):
         cache = kwargs.get("cache")
@@ -213,6 +221,7 @@ def _hooked_for_generate(text_model):
             cache.commit(*cache.pending)
             cache.pending = None
 
+    text_model = model.get_decoder()
     handles = [
         text_model.register_forward_pre_hook(before, with_kwargs=True),
         text_model.register_forward_hook(after, with_kwargs=True),
@@ -392,7 +401,7 @@ def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compile
     if compiled:
         model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
     try:
-        with _hooked_for_generate(model.get_decoder()):
+        with inside_generate(model):
             out = model.generate(
                 ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
             )

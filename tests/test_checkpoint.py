@@ -1,4 +1,9 @@
-"""Loading the checkpoint: names, E2B figures, preflight, errors, both load paths, tokens."""
+"""Loading the checkpoint: names, E2B figures, preflight, errors, both load paths, tokens.
+
+Every ``torch.equal`` here compares data identical by construction: integer codes, packed words,
+weights, rows gathered and dequantized exactly (one rounding to bf16, as the checkpoint's
+values were made), or one program's output twice. Two programs are compared within a dtype's
+tolerance or by the series' token verdict instead."""
 
 import json
 import pathlib
@@ -149,15 +154,17 @@ def _hub_down(monkeypatch, error):
 
 @pytest.mark.parametrize("error", ["offline", "connect", "503"])
 def test_hub_unreachable_takes_the_twin_with_one_line_saying_why(monkeypatch, tmp_path, error):
-    import httpx2  # what huggingface_hub 2.x speaks HTTP with
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+    import importlib
 
-    request = httpx2.Request("GET", f"https://huggingface.co/api/models/{hub.REPO_ID}/auth-check")
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, HTTPError, OfflineModeIsEnabled
+
+    http = importlib.import_module(HTTPError.__module__)  # what the pinned huggingface_hub speaks HTTP with (httpx)
+    request = http.Request("GET", f"https://huggingface.co/api/models/{hub.REPO_ID}/auth-check")
     errors = {
         "offline": OfflineModeIsEnabled("offline mode is enabled"),
-        "connect": httpx2.ConnectError("[Errno 111] Connection refused", request=request),
-        "503": HfHubHTTPError("503 Service Unavailable", response=httpx2.Response(503, request=request)),
+        "connect": http.ConnectError("[Errno 111] Connection refused", request=request),
+        "503": HfHubHTTPError("503 Service Unavailable", response=http.Response(503, request=request)),
     }
     _hub_down(monkeypatch, errors[error])
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # nothing cached
@@ -207,10 +214,36 @@ def test_not_a_gemma_checkpoint_is_one_clear_line(tmp_path):
 def test_choose_checkpoint_without_a_tpu_takes_the_twin_and_says_why(monkeypatch):
     monkeypatch.delenv("HELPERS_MODEL", raising=False)
     chosen = hub.choose_checkpoint(helpers.get_backend("cpu"))
-    assert chosen.tiny and "no TPU" in str(chosen)
+    assert chosen.tiny and "no TPU or GPU here (backend cpu)" in str(chosen)
     monkeypatch.setenv("HELPERS_MODEL", "some/repo")
     monkeypatch.setenv("HELPERS_REVISION", "abc123")
     assert str(hub.choose_checkpoint(helpers.get_backend("cpu"))).startswith("real checkpoint: some/repo @ abc123")
+
+
+CUDA = type("FakeCUDA", (), {"name": "cuda"})()  # only its name is read once the fit is stubbed
+
+
+def test_on_a_gpu_where_the_preflight_fits_googles_checkpoint_is_chosen_else_the_twin(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.delenv("HELPERS_MODEL", raising=False)
+    monkeypatch.setattr(huggingface_hub, "auth_check", lambda repo, token=None: None)
+    monkeypatch.setattr(hub, "real_model_fits", lambda backend: (True, "E2B needs ~9.4 GB, 15.1 GB free"))
+    chosen = hub.choose_checkpoint(CUDA)
+    assert not chosen.tiny and chosen.source == hub.REPO_ID
+    assert chosen.reason == "a GPU where E2B fits (E2B needs ~9.4 GB, 15.1 GB free), and the Hub (public)"
+    monkeypatch.setattr(hub, "real_model_fits", lambda backend: (False, "E2B needs ~9.4 GB, 7.5 GB free"))
+    chosen = hub.choose_checkpoint(CUDA)
+    assert chosen.tiny and "a GPU too small for E2B (E2B needs ~9.4 GB, 7.5 GB free)" in str(chosen)
+
+
+@pytest.mark.parametrize("free", [15_000_000_000, 8_000_000_000, None])
+def test_the_fit_is_the_preflights_estimate_against_the_devices_free_memory(free):
+    device = type("FakeGPU", (), {"name": "cuda", "free_bytes": lambda self: free})()
+    fits, numbers = hub.real_model_fits(device)
+    needed = e2b.estimate_device_bytes(e2b.real_config(), dequantize=False)
+    assert fits == (free is not None and needed <= free) and f"E2B needs ~{needed / 1e9:.1f} GB" in numbers
+    assert fits == (free == 15_000_000_000)  # a T4's 15 GB holds E2B's 9.4 GB; 8 GB does not
 
 
 def test_default_path_holds_packed_int4_and_wrappers_until_the_first_forward(tiny, backend):
@@ -259,6 +292,7 @@ def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact
     expected = ck.check_tokens(backend, tiny, ids, n)
     assert len(expected) == n
     dense, _ = ck.load(tiny, backend, dequantize=True)
+    # equal lists: the same class, weights and dtype on the same device, so the same program
     assert ck.greedy_tokens(dense, ids, n) == expected
     del dense
     default, _ = ck.load(tiny, backend)
@@ -308,22 +342,70 @@ def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path, packed
     assert counts[0] == counts[1] > 0
 
 
-def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_switch(tiny, tmp_path):
-    # what google/gemma-4-E2B-it-qat-q4_0-unquantized is: the same shapes, dense bf16, no quantization config
+@pytest.fixture(scope="module")
+def dense(tiny, tmp_path_factory):
+    """What google/gemma-4-E2B-it-qat-q4_0-unquantized is: the same shapes, dense bf16 on the QAT
+    grid, no quantization config (the twin's weights, dequantized)."""
     import shutil
 
-    dense = tmp_path / "dense"
-    ck.reference_model(tiny, torch.bfloat16).save_pretrained(dense)
+    folder = tmp_path_factory.mktemp("qat") / "dense"
+    ck.reference_model(tiny, torch.bfloat16).save_pretrained(folder)
     for path in pathlib.Path(tiny.source).iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "generation_config")):
-            shutil.copy(path, dense / path.name)
-    assert json.loads((dense / "config.json").read_text()).get("quantization_config") is None
+            shutil.copy(path, folder / path.name)
+    return hub.Checkpoint(str(folder), None, False, "dense, as the QAT repository")
+
+
+def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_switch(tiny, dense):
+    assert json.loads((pathlib.Path(dense.source) / "config.json").read_text()).get("quantization_config") is None
     cpu = helpers.get_backend("cpu")
-    model, _ = ck.load(hub.Checkpoint(str(dense), None, False, "dense"), cpu, dtype=torch.float32)
+    model, _ = ck.load(dense, cpu, dtype=torch.float32)
     ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
     reference, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
+    # equal lists: bf16 values widened to float32 are the dequantized ones, so the same program runs
     assert ck.greedy_tokens(model, ids, 8) == ck.greedy_tokens(reference, ids, 8)
     assert {r["kind"] for r in ck.memory_report(model)} == {"fp32", "buffers"}
+
+
+def test_the_qat_repositorys_linears_are_kept_compressed_from_their_own_grid(tiny, dense):
+    from helpers import qlinear
+
+    cpu = helpers.get_backend("cpu")
+    model, _ = ck.load(dense, cpu, dtype=torch.float32)
+    linears = {n: m.weight.detach().clone() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
+    report = qlinear.keep_linears_compressed(model, dense, "int4")
+    assert report["linears"] == len(linears) > 0 and report["from"] == "each dense weight's own 4-bit grid"
+    for name, module in model.model.named_modules():
+        if name in linears:  # the grid's codes and steps give each weight back bit for bit
+            assert isinstance(module, qlinear.QLinear) and torch.equal(module.weight, linears[name]), name
+    packed, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
+    assert qlinear.keep_linears_compressed(packed, tiny, "int4")["linears"] == len(linears)  # the -ct export's
+    ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
+    reference = ck.reference_model(tiny, torch.float32)
+    expected = ck.greedy_tokens(reference, ids, 8)
+    assert ck.compare_tokens(ck.greedy_tokens(model, ids, 8), expected, reference, ids)
+
+
+def test_a_checkpoint_with_no_packed_weights_and_linears_off_their_grid_is_refused(dense):
+    from helpers import qlinear
+
+    model, _ = ck.load(dense, helpers.get_backend("cpu"), dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
+    with pytest.raises(
+        ValueError, match="layers.0.mlp.up_proj: 1 groups .* no 4-bit grid, and the checkpoint saved no"
+    ):
+        qlinear.keep_linears_compressed(model, dense, "int4")
+    assert not any(isinstance(m, qlinear.QLinear) for m in model.modules())  # refused before any swap
+
+
+def test_a_model_with_no_linear_to_keep_compressed_is_refused(dense):
+    from helpers import qlinear
+
+    bare = torch.nn.Module()
+    bare.model = torch.nn.Module()  # a text model with no linear at all: 0 swaps is no measurement
+    with pytest.raises(ValueError, match="no text linear to keep compressed"):
+        qlinear.keep_linears_compressed(bare, dense, "int4")
 
 
 def _greedy(model, ids, n):
@@ -356,13 +438,21 @@ def test_a_pair_that_parts_at_a_near_tie_is_the_same_and_names_the_tie(teacher):
     p = int((top2.values[:-1, 0] - top2.values[:-1, 1]).argmin())  # the closest call among the tokens
     gap = float(top2.values[p, 0] - top2.values[p, 1])
     other = _greedy_after(model, ids, reference[:p] + [int(top2.indices[p, 1])], len(reference))
-    tolerance = int(gap / float(ulps[p])) + 1  # the closest call as a stated tolerance, in bf16 ulps
+    tolerance = int(gap / float(ulps[p])) + 1  # the closest call as a stated tolerance, in float32 ulps
     verdict = ck.compare_tokens(other, reference, model, ids, tolerance_ulps=tolerance)
     assert verdict and verdict.first_divergence == p and verdict.near_ties[0][0] == p
     assert verdict.gap == pytest.approx(gap, rel=1e-4) and f"near tie(s) at [{p}" in str(verdict)
     strict = ck.compare_tokens(other, reference, model, ids, tolerance_ulps=0)
     assert not strict and strict.failed_at == p  # with no tolerance, the same pair is a fault
-    assert not ck.compare_tokens(other, reference)  # and as lists, where arithmetic is exact
+    assert not ck.compare_tokens(other, reference)  # and as lists, for one program run twice
+
+
+def test_a_list_that_stops_where_the_reference_goes_on_is_not_the_same(teacher):
+    model, ids, reference = teacher
+    verdict = ck.compare_tokens(reference[:-3], reference, model, ids)
+    assert not verdict and verdict.failed_at == len(reference) - 3 and "the other goes on" in str(verdict)
+    same = ck.compare_tokens(reference, reference, model, ids)
+    assert same and same.dtype == "float32" and same.largest_ulps == 0 and "float32 ulps" in str(same)
 
 
 def test_a_real_fault_fails_even_when_it_parts_late(teacher):
@@ -385,12 +475,11 @@ def test_a_verdict_made_is_kept_and_a_dropped_reference_model_is_rebuilt_only_fo
     """At full size the reference model is 9 GB, dropped while a step builds something large:
     asking again about tokens already judged must not rebuild it (measured: 06's host peak)."""
     built, compared = [], []
-    monkeypatch.setattr(ck, "series_dtype", lambda checkpoint: torch.bfloat16)  # the teacher-forced path
-    monkeypatch.setattr(ck, "reference_model", lambda checkpoint: built.append(checkpoint) or f"model {len(built)}")
+    monkeypatch.setattr(ck, "reference_model", lambda checkpoint, dtype: built.append(dtype) or f"model {len(built)}")
     monkeypatch.setattr(ck, "compare_tokens", lambda tokens, *args: compared.append((tokens, args[1])) or len(compared))
     judged = series.Series(tiny, None, None, torch.tensor([[2, 5]]), 3, [7, 8, 9], 3)
     assert judged.same_tokens([7, 8, 9, 4]) == 1  # beyond new_tokens: a timed run's extra token is not judged
     judged.drop_reference_model()
     assert judged.same_tokens([7, 8, 9]) == 1 and len(built) == 1  # the same list: no rebuild, no new forward
     assert judged.same_tokens([7, 8, 6]) == 2 and compared[-1] == ([7, 8, 6], "model 2")  # a new list: rebuilt
-    assert len(built) == 2 and len(compared) == 2
+    assert built == [torch.float32] * 2 and len(compared) == 2  # the twin's reference in its series dtype
