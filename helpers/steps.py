@@ -1,7 +1,7 @@
 """The series' bookkeeping, above the lessons: each step's name with the source's figure beside
-it, every row of the results table (the same from a notebook and from the tour, built by one
-function), the tour's steps, and notebook 07's variant measuring. The lesson modules below hold
-the mechanisms; this module calls them and writes down what they measured."""
+it, every row of the results table (the same from every notebook, built by one function), and
+notebook 07's variant measuring. The lesson modules below hold the mechanisms; this module
+calls them and writes down what they measured."""
 
 from __future__ import annotations
 
@@ -17,12 +17,9 @@ from .bench import Results, time_fn
 from .decode import Decoder, device_bytes, kv_buffers, timed_generate
 from .e2b import kv_cache_bytes
 from .fused import fuse_projections
-from .generate import measure, save_reference
-from .hub import choose_checkpoint
 from .qlinear import keep_linears_compressed
 from .qtable import keep_embed_in_4bit
-from .ring import RingDecoder
-from .series import Series, load_for_series, prepare
+from .series import Series
 
 MODES = "01 modes"
 LOADING = "02 loading"
@@ -31,8 +28,8 @@ COMPILED = "04 compiled decode"
 TABLE = "05 4-bit table"
 RING = "06 ring cache"
 PAST = "07 past the source"
-TOUR_MAX_LEN = 256  # the tour's cache positions: prompt and tokens with room to spare
-KS = ((1, 2, 4), (1, 2))  # notebook 07's K, elsewhere and on xla: each K is a compile, minutes for large K on a CPU
+MAX_LEN = 256  # notebook 07's cache positions: prompt and tokens with room to spare
+KS = ((1, 4), (1, 2))  # notebook 07's K, elsewhere and on xla: each K is a compile, a minute or more on a CPU
 
 
 def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) -> dict:
@@ -82,26 +79,6 @@ def record_loading(results: Results, backend: Backend, label: str, model, load_s
     )
 
 
-def loading_step(backend: Backend, results: Results) -> list[dict]:
-    """The tour's loading step: both load paths, bytes by kind after a first forward, and
-    whether each gives the dequantized reference model's greedy tokens (the dequantized
-    path must; the default path must wherever unpacking on the device is exact)."""
-    checkpoint = choose_checkpoint(backend)
-    print(checkpoint)
-    ids, new_tokens = ck.chat_ids(ck.load_tokenizer(checkpoint), backend.device), ck.generation_length(backend)
-    expected = ck.check_tokens(backend, checkpoint, ids, new_tokens)
-    exact_unpack = ck.unpack_is_exact(backend.device)
-    rows = []
-    for label, dequantize in (("compressed (default)", False), ("dequantize=True", True)):
-        model, load_s = ck.load(checkpoint, backend, dequantize=dequantize)
-        same = ck.greedy_tokens(model, ids, new_tokens) == expected
-        if same != (dequantize or exact_unpack):
-            raise AssertionError(f"{label}: same tokens as the dequantized reference: {same}")
-        rows.append(record_loading(results, backend, label, model, load_s, same_tokens=same))
-        ck.unload(model, backend)
-    return rows
-
-
 # --- 03 ----------------------------------------------------------------------------------------
 def record_baseline(results: Results, backend: Backend, measured: dict, model, context: int) -> dict:
     """Notebook 03's row (``measured``: what ``generate.measure`` returns), with the roofline:
@@ -117,17 +94,6 @@ def record_baseline(results: Results, backend: Backend, measured: dict, model, c
         source_tok_s=sources.HF_GENERATE_TOK_S,
         **timed_columns(backend, measured["rates"], step),
     )
-
-
-def baseline_step(backend: Backend, results: Results) -> dict:
-    """The tour's baseline step: decode tok/s and prefill time of HF generate, the reference
-    tokens saved for notebooks 04-06."""
-    checkpoint, model, tokenizer, ids = load_for_series(backend)
-    print(checkpoint)
-    new_tokens, timed_tokens = ck.generation_length(backend), ck.timed_length(backend)
-    measured = measure(model, tokenizer, ids, backend, timed_tokens)
-    save_reference(checkpoint, backend, ids, new_tokens, measured["tokens"][:new_tokens], results.path.parent)
-    return record_baseline(results, backend, measured, model, ids.shape[1] + timed_tokens // 2)
 
 
 # --- 04-06 -------------------------------------------------------------------------------------
@@ -176,40 +142,12 @@ def payback_tokens(compile_s: float, before_tok_s: float | None, after_tok_s: fl
     return compile_s / (1 / before_tok_s - 1 / after_tok_s)
 
 
-def compiled_run(
-    backend: Backend, results: Results, step: str, label: str, source_tok_s: float, after: int, decoder_class=Decoder
-) -> dict:
-    """A compiled step of the series end to end for the tour: the model as notebook ``after``
-    leaves it (``series.prepare``), a decoder of ``decoder_class``, generate, time; its row."""
-    series = prepare(backend, after, results.path.parent)
-    torch._dynamo.reset()  # count what this step compiles, not a graph an earlier run left cached
-    decoder = decoder_class(series.model, backend, max_len=TOUR_MAX_LEN)
-    with backend.compile_counter() as count:
-        tokens = decoder.generate(series.ids, series.new_tokens)
-    return record_compiled(results, step, label, decoder, series, tokens, count, source_tok_s)
-
-
-def compiled_step(backend: Backend, results: Results) -> dict:
-    return compiled_run(backend, results, COMPILED, "compiled step", sources.COMPILED_STEP_TOK_S, after=4)
-
-
-def table_step(backend: Backend, results: Results) -> dict:
-    return compiled_run(backend, results, TABLE, "4-bit table", sources.TABLE_4BIT_TOK_S, after=5)
-
-
-def ring_step(backend: Backend, results: Results) -> dict:
-    """Notebook 06's model (4-bit table, grouped attention) on the ring cache; its label names
-    the positions it holds (the step's cost grows with them: one label per set-up)."""
-    label = f"ring cache, {TOUR_MAX_LEN:,} positions"
-    return compiled_run(backend, results, RING, label, sources.RING_TOK_S, after=6, decoder_class=RingDecoder)
-
-
 # --- 07 ----------------------------------------------------------------------------------------
 VARIANTS = ("matvec loops", "int8 linears", "int4 linears", "4-bit head", "fused")  # notebook 07's, in order
 
 
 def measure_variants_in_place(
-    backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = TOUR_MAX_LEN, variants=VARIANTS
+    backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = MAX_LEN, variants=VARIANTS
 ) -> list[dict]:
     """Notebook 07's variants on notebook 06's model, each compiled anew and timed. It changes
     ``series.model`` in place, variant after variant (the model ends as the last one), and drops
@@ -282,22 +220,14 @@ def measure_variants_in_place(
 
 def record_variants(results: Results, backend: Backend, rows: list[dict]) -> list[dict]:
     """Each variant's row of the results table, the same from notebook 07 and the tour."""
-    keys = ("decode_tok_s", "tok_s_spread", "same_tokens", "compiles", "bytes_per_token", "GB_per_s", "pct_of_bw")
+    keys = (
+        "decode_tok_s",
+        "tok_s_spread",
+        "same_tokens",
+        "compiles",
+        "first_call_s",
+        "bytes_per_token",
+        "GB_per_s",
+        "pct_of_bw",
+    )
     return [results.add(PAST, r["variant"], backend=backend.name, **{k: r[k] for k in keys}) for r in rows]
-
-
-def past_step(backend: Backend, results: Results) -> list[dict]:
-    """The tour's step 07: notebook 07's variants, a results row each."""
-    series = prepare(backend, after=6, folder=results.path.parent)
-    return record_variants(results, backend, measure_variants_in_place(backend, series, ks=KS[backend.name == "xla"]))
-
-
-TOUR = [
-    ("01 execution modes", modes_step),
-    ("02 loading", loading_step),
-    ("03 baseline generate", baseline_step),
-    ("04 compiled decode", compiled_step),
-    ("05 4-bit table", table_step),
-    ("06 ring cache", ring_step),
-    ("07 past the source", past_step),
-]

@@ -1,74 +1,126 @@
-"""The main job: every step of the series that exists so far, on the detected backend.
+"""The main job: the notebooks themselves, executed in order as a reader runs them (a kernel each,
+this machine's default threads), each appending its rows to one results table; then the table
+and the series' charts.
 
-    python -m helpers.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour]
+    python -m helpers.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour] [--notebooks 01 03]
 
-Runs on the tiny offline model where no TPU or real weights are at hand, prints the
-results table and writes the charts into the run folder.
+Runs on the tiny offline model where no TPU or real weights are at hand. Each executed notebook
+is saved, outputs and all, in the run folder; a cell that fails stops the tour there, with the
+notebook saved as far as it ran.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
+import time
 
 from tqdm.auto import tqdm
 
-from . import steps
-from .backend import get_backend
-from .bench import Results, closing_charts, run_dir
+from .bench import RUN_DIR_VAR, Results, closing_charts, run_dir
 
+NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged
+COLUMNS = [
+    "step",
+    "label",
+    "backend",
+    "ms",
+    "speedup_vs_eager",
+    "source_speedup",
+    "load_s",
+    "device_bytes",
+    "same_tokens",
+    "decode_tok_s",
+    "prefill_s",
+    "compiles",
+    "first_call_s",
+    "payback_tokens",
+    "peak_bytes",
+    "source_tok_s",
+    "tok_s_spread",
+    "bytes_per_token",
+    "GB_per_s",
+    "pct_of_bw",
+]
 
 
-def main(argv: list[str] | None = None) -> None:
+class NotebookFailed(RuntimeError):
+    """A cell of a notebook raised; the message names the notebook, where it was saved, and the error."""
+
+
+def notebooks(numbers: list[str] | None = None) -> list[pathlib.Path]:
+    """The series' notebooks in order (``.ipynb``, what Colab opens), or those whose number is in
+    ``numbers`` ("01", "03", ...); an unknown number is refused with the ones there are."""
+    found = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if not numbers:
+        return found
+    known = {p.name[:2]: p for p in found}
+    unknown = [n for n in numbers if n not in known]
+    if unknown:
+        raise SystemExit(f"no notebook {', '.join(unknown)}: pick from {', '.join(known)}")
+    return [known[n] for n in sorted(numbers)]
+
+
+def execute(path: pathlib.Path, folder: pathlib.Path, env: dict[str, str]) -> float:
+    """Run every cell of the notebook at ``path`` in a fresh kernel with ``env`` (its working
+    folder the notebooks' own), a progress bar over its code cells; save it with its outputs in
+    ``folder``. Returns the seconds it took; raises ``NotebookFailed`` at a failing cell."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    notebook = nbformat.read(path, as_version=4)
+    code = sum(cell.cell_type == "code" for cell in notebook.cells)
+    saved = folder / path.name
+    client = NotebookClient(
+        notebook,
+        timeout=None,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # not its notice that local TCP is unencrypted
+    )
+    start = time.perf_counter()
+    with tqdm(total=code, desc=path.stem, unit="cell", leave=False) as bar:
+        client.on_cell_executed = lambda **_: bar.update()
+        try:
+            client.execute(env=env)
+        except CellExecutionError as err:
+            raise NotebookFailed(
+                f"{path.name} stopped at a failing cell (saved as far as it ran: {saved}):\n{err}"
+            ) from None
+        finally:
+            nbformat.write(notebook, saved)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> Results:
     parser = argparse.ArgumentParser(prog="python -m helpers.tour", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected, or $HELPERS_BACKEND)")
-    parser.add_argument("--run-dir", default="runs/tour", help="where results and charts go")
+    parser.add_argument("--run-dir", default="runs/tour", help="where results, charts and executed notebooks go")
+    parser.add_argument("--notebooks", nargs="*", metavar="NN", help="only these notebooks, by number (default: all)")
     args = parser.parse_args(argv)
 
-    backend = get_backend(args.backend)
-    print(backend.describe())
-    results = Results(run_dir(args.run_dir))
-    for name, step in tqdm(steps.TOUR, desc="tour", unit="step"):
-        tqdm.write(f"== {name}")
-        step(backend, results)
-    print(
-        results.table(
-            [
-                "step",
-                "label",
-                "backend",
-                "ms",
-                "speedup_vs_eager",
-                "source_speedup",
-                "load_s",
-                "device_bytes",
-                "same_tokens",
-                "decode_tok_s",
-                "prefill_s",
-                "compiles",
-                "first_call_s",
-                "payback_tokens",
-                "peak_bytes",
-                "source_tok_s",
-                "tok_s_spread",
-                "bytes_per_token",
-                "GB_per_s",
-                "pct_of_bw",
-            ]
-        )
-    )
+    chosen = notebooks(args.notebooks)
+    folder = run_dir(args.run_dir).resolve()
+    results = Results(folder)
+    env = {**os.environ, RUN_DIR_VAR: str(folder)}  # every notebook appends to this folder's table
+    if args.backend:
+        env["HELPERS_BACKEND"] = args.backend
+    for path in tqdm(chosen, desc="tour", unit="notebook"):
+        seconds = execute(path, folder, env)
+        tqdm.write(f"== {path.stem}: {seconds:.0f} s, saved with its outputs in {folder / path.name}")
+    print(results.table(COLUMNS))
     noisy = [f"{r['step']} ({r['tok_s_spread']:.2f}x)" for r in results.rows() if (r.get("tok_s_spread") or 1) > NOISY]
     if noisy:  # a busy machine: ratios between steps timed minutes apart are not to be trusted
         print(
             f"repeats disagree by more than {NOISY}x (fastest / slowest of 3) in: {', '.join(noisy)}; "
             "rerun with nothing else running before comparing steps"
         )
-    results.chart(
-        "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=steps.MODES, log=True
-    )
-    results.chart("device_bytes", "model bytes on the device after a forward", step=steps.LOADING)
     closing_charts(results)
-    print(f"results and charts in {results.path.parent}/")
+    print(f"results, charts and executed notebooks in {folder}/")
+    return results
 
 
 if __name__ == "__main__":

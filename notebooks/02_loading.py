@@ -26,9 +26,10 @@
 # int32, one bf16 scale per group of 32. This notebook loads its text decoder onto the
 # device with transformers + compressed-tensors and looks at what actually lands there.
 #
-# Without a TPU, or without the Hub, it runs the same code on a tiny
+# On a TPU, and on a CUDA GPU where E2B fits (a Colab T4 or L4 when there is no TPU quota),
+# it loads Google's checkpoint. Elsewhere, or without the Hub, it runs the same code on a tiny
 # offline twin: the same model class, the same file layout and tensor names, the same
-# packing, built here in a second. The first output says which one you got.
+# packing, built here in a second. The first output says which one you got, and why.
 
 # %% [markdown]
 # ## Set up
@@ -268,6 +269,7 @@ fig = helpers.bench.stacked_bars(
 
 # %%
 expected = helpers.checkpoint.check_tokens(backend, checkpoint, ids, new_tokens)
+# equal lists: one model class, the same weight values and dtype on one device run the same program
 dense_same, default_same = dense_tokens == expected, default_tokens == expected
 exact_unpack = helpers.checkpoint.unpack_is_exact(backend.device)
 print("reference tokens:", expected)
@@ -286,10 +288,29 @@ print(results.table(["step", "label", "backend", "load_s", "device_bytes"]))
 
 # %% [markdown]
 # ## Exercises
-# Predict before you measure: write the number down, then run the cell and compare.
-#
-# 1. Before loading, predict the bytes of each kind `checkpoint.memory_report` will show with
-#    `dequantize=True`, from the shapes alone (notebook 02's name map lists them). Load and
-#    compare.
-# 2. Run `checkpoint.preflight` for a device of 8 GB (`available=8e9`): predict which load
-#    path it refuses, then check. What would fit, using the byte counts above?
+# Predict before you measure: write your number down, then open the solution under the question.
+# Each solution is a collapsed cell that runs with the notebook, at the size this runtime has.
+
+# %% [markdown]
+# **1.** From the component figures above, predict the bytes E2B holds on the device once loaded
+# with `dequantize=True`, and with the default path after its first forward.
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 1 (open it after you predicted)
+# Every weight ends as bf16 either way (embeddings tied: stored once); the default path also keeps
+# each linear's bf16 group scales beside its expanded weight.
+for dequantize in (True, False):
+    needed = helpers.e2b.estimate_device_bytes(e2b, dequantize)
+    print(f"E2B, dequantize={dequantize}: {fmt_bytes(needed)} ({needed / 2**30:.2f} GiB)")
+
+# %% [markdown]
+# **2.** Which single way of holding less, from the table of fit options above, brings E2B's
+# default load under a device with 8 GB free?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 2 (open it after you predicted)
+# The load itself holds weights only: a smaller ring cache or int8 K/V save nothing here.
+needed = helpers.e2b.estimate_device_bytes(e2b, dequantize=False)
+for option in helpers.e2b.fit_options(e2b):
+    left = needed - option["saves"]
+    print(f"{option['option']}: {fmt_bytes(left)} ({'fits' if left <= 8e9 else 'does not fit'} in 8 GB)")

@@ -166,7 +166,7 @@ assert later.graphs == 0 and decoder.bucket(other.shape[1]) == decoder.bucket(id
 # cost):
 
 # %%
-counts, stopped = helpers.decode.hf_static_cache_compiles(model, ids, backend, steps=10)
+counts, stopped = helpers.decode.hf_static_cache_compiles(model, ids, backend, steps=4)
 print("graphs compiled per step with StaticCache:", counts, "| stopped:", stopped or "no")
 print("graphs compiled per step with ours, after the first:", 0)
 assert sum(counts) > 1
@@ -283,12 +283,44 @@ print(results.table([*cols, "payback_tokens", "peak_bytes"]))  # tokens until th
 
 # %% [markdown]
 # ## Exercises
-# Predict before you measure: write the number down, then run the cell and compare.
-#
-# 1. Vary the readback chunk (`readback_every` 1, 4, 16, 64 in `timed_generate`). Predict
-#    where the rate stops rising: when one host round trip per chunk is small beside the chunk's
-#    steps.
-# 2. Predict tok/s from bytes: `roofline.step_bytes` over this device's read bandwidth gives a
-#    ceiling. Measure and read the % column: what is the gap made of? (The profile cell says.)
-# 3. Build a `Decoder` with `max_len` four times larger. Predict the change in the bytes a
-#    step reads and in tok/s, then measure.
+# Predict before you measure: write your number down, then open the solution under the question.
+# Each solution is a collapsed cell that runs with the notebook, at the size this runtime has.
+
+# %% [markdown]
+# **1.** Reading the tokens back every 1, 4, 16 and 64 tokens: where does the rate stop rising?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 1 (open it after you predicted)
+# Once one host round trip per chunk is small beside the chunk's steps. On a CPU a round trip is
+# microseconds, so the rate barely moves; on a TPU it is the device draining its queue.
+for every in (1, 4, 16, 64):
+    rate = helpers.decode.timed_generate(decoder, ids, timed_tokens, every, repeats=1)["decode_tok_s"]
+    print(f"read back every {every:>2} tokens: {rate:.1f} tok/s")
+
+# %% [markdown]
+# **2.** What tok/s would this device reach if a step did nothing but read its bytes? How far is
+# the compiled step from it?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 2 (open it after you predicted)
+# The ceiling is the read bandwidth over the bytes a step reads; the gap is per-call overhead and
+# compute (the profile above names the ops).
+ceiling = bandwidth / step_bytes
+print(f"ceiling {ceiling:.0f} tok/s; measured {ours[16]:.1f}: {100 * ours[16] / ceiling:.0f}% of it")
+
+# %% [markdown]
+# **3.** A static cache four times longer: how many more bytes does a step read, and what does
+# that do to this device's ceiling?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 3 (open it after you predicted)
+# A static shape reads its whole buffer at every step, filled or not: the cache's bytes grow four
+# times, the weights' not at all. On the twin the cache is a large share of a step; at E2B a little
+# one at 256 positions. (To measure it, build `helpers.decode.Decoder(model, backend, 4 * MAX_LEN)`
+# and time it as above: a new shape, so a new compile.)
+longer = helpers.decode.static_cache(model, 4 * MAX_LEN)  # allocated, not compiled
+more = helpers.roofline.step_bytes(model, longer) - step_bytes
+print(
+    f"{helpers.bench.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
+    f" {bandwidth / (step_bytes + more):.0f} tok/s on this device"
+)

@@ -285,12 +285,42 @@ figs = helpers.bench.closing_charts(results)
 
 # %% [markdown]
 # ## Exercises
-# Predict before you measure: write the number down, then run the cell and compare.
-#
-# 1. Predict each variant's ceiling from its bytes per step (the table at the top) and this
-#    device's read bandwidth, then compare with its row: which variants are held back by compute
-#    rather than bytes?
-# 2. Run K = 8 (`measure_variants_in_place(..., ks=(8,))`). Predict the gain over K = 4 from
-#    the per-call cost you measured between K = 1 and K = 2.
-# 3. Batching raises the FLOPs per byte: predict the batch at which E2B's step would reach the
-#    v5e's ridge point (240 FLOP/byte).
+# Predict before you measure: write your number down, then open the solution under the question.
+# Each solution is a collapsed cell that runs with the notebook, at the size this runtime has.
+
+# %% [markdown]
+# **1.** From each variant's bytes per step and this device's read bandwidth, what is its ceiling?
+# Which variants are held back by compute rather than bytes?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 1 (open it after you predicted)
+# The ceiling is bandwidth over bytes; a row far below its ceiling while reading fewer bytes is
+# paying for work, not reads (on a CPU, turning int4 codes into floats).
+for r in rows:
+    ceiling = bandwidth / r["bytes_per_token"]
+    print(f"{r['variant']}: ceiling {ceiling:.0f} tok/s, measured {r['decode_tok_s']:.1f} ({r['pct_of_bw']:.0f}%)")
+
+# %% [markdown]
+# **2.** From the rows above with one and with several decode steps per compiled call, what would
+# eight steps per call give?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 2 (open it after you predicted)
+# A call costs its steps plus one fixed per-call cost (guards, launch): seconds per token are
+# step + call / K, so two rows give both, and K = 8 pays the call once per eight. (To measure it, a
+# Decoder with tokens_per_call=8 on notebook 06's model: one more compile, a minute or more on a CPU.)
+per_token = {r["K"]: 1 / r["decode_tok_s"] for r in rows if r["variant"] == f"4-bit table, K={r['K']}"}
+(a, t_a), (b, t_b) = min(per_token.items()), max(per_token.items())
+per_call = (t_a - t_b) / (1 / a - 1 / b)  # seconds a call costs beyond its steps
+per_step = t_a - per_call / a
+print(
+    f"per call {per_call * 1e3:.2f} ms, per step {per_step * 1e3:.2f} ms: K = 8 -> {1 / (per_step + per_call / 8):.1f} tok/s"
+)
+
+# %% [markdown]
+# **3.** At what batch would E2B's decode step reach the v5e's ridge point?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 3 (open it after you predicted)
+# A batch of B sequences reads each weight once for B multiply-adds: B times the FLOPs per byte.
+print(f"batch {ridge / intensity:.0f} (intensity {intensity:.2f} FLOP/byte per sequence, ridge {ridge:.0f})")

@@ -106,7 +106,7 @@ with backend.compile_counter() as again:
     runs = {seed: sampled.generate(ids, series.new_tokens, seed=seed) for seed in (0, 1, 2)}
 print(table([{"seed": s, "text": tokenizer.decode(t, skip_special_tokens=True)[:70]} for s, t in runs.items()]))
 print(f"graphs compiled: {first.graphs} on the first call (prefill chunk, step), {again.graphs} for three more seeds")
-assert runs[0] == one and again.graphs == 0
+assert runs[0] == one and again.graphs == 0  # equal lists: the same programs on the same inputs
 
 # %% [markdown]
 # **What you should see:** seed 0 twice gives the same text, and nothing compiles after the
@@ -162,12 +162,17 @@ assert stop in text or tokens[-1] in helpers.sampling.stop_ids(model) or len(tok
 # dropped: that is the price of not reading each token back.
 #
 # ## The ring cache inside transformers' `generate`
-# **What we test:** `generate` given a `RingCache` (`cache=`) gives its default cache's
-# tokens for a prompt three windows long. `generate` builds masks that assume keys at
-# positions 0..n; hooks on the model give its forward the ring's masks and positions instead.
-# With the forward compiled (HF's recipe), the graphs dynamo makes before each token: the
-# prefill, the first step, then none, where HF's own static cache recompiled every position
-# (notebook 04).
+# **What we test:** `generate` given a `RingCache` (`cache=`), inside
+# `helpers.ring.inside_generate(model)`, gives its default cache's tokens for a prompt three
+# windows long. `generate` builds masks that assume keys at positions 0..n; inside the block,
+# hooks on the model give its forward the ring's masks and positions instead, so any generation
+# config runs on the ring: greedy, sampled, streamed, stopped by a string. Outside the block a
+# `RingCache` is refused with a message that names it. With the forward compiled (HF's recipe),
+# the graphs dynamo makes before each token: the prefill, the first step, then none, where HF's
+# own static cache recompiled every position (notebook 04).
+
+# %%
+helpers.show(helpers.ring.inside_generate)
 
 # %%
 window = model.config.get_text_config().sliding_window
@@ -177,8 +182,27 @@ n = min(series.new_tokens, 12)
 default, _, _ = helpers.generate.generate(model, tokenizer, long, backend, n, stop=False)  # its default cache
 on_ring, cache, _ = helpers.ring.generate_on_ring(model, long, backend, n, max_len=MAX_LEN)
 print(f"prompt {long.shape[1]} tokens (window {window}); ring cache {fmt_bytes(helpers.decode.cache_bytes(cache))}")
-print("same tokens as the default cache:", on_ring == default)
-assert on_ring == default
+verdict = helpers.checkpoint.compare_tokens(on_ring, default, series.reference_model(), long)  # two programs
+print("greedy, against the default cache:", verdict)
+assert verdict
+
+# sampled and streamed, with a stop string: generate's own sampling, on the ring
+streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.generate.text_widget())
+torch.manual_seed(0)  # generate draws from torch's generator
+with helpers.ring.inside_generate(model):
+    out = model.generate(
+        long,
+        cache=helpers.ring.RingCache(model, MAX_LEN, window),
+        do_sample=True,
+        temperature=0.8,
+        top_p=0.95,
+        max_new_tokens=n,
+        stop_strings=["."],
+        tokenizer=tokenizer,
+        streamer=streamer,
+        return_dict_in_generate=True,
+    )
+print(f"sampled on the ring: {out.sequences.shape[1] - long.shape[1]} tokens, {streamer.text!r}")
 if backend.name == "xla":  # the compiled forward crashed torch_xla 2.9's process here: refused, with the reason
     print("forward compiled: not on xla (RingDecoder.generate is its compiled path)")
 else:
@@ -187,9 +211,10 @@ else:
     assert sum(graphs[2:]) == 0
 
 # %% [markdown]
-# **What you should see:** the same tokens, and graphs `[1, 1, 0, 0, ...]`. `generate` still
-# makes one host round trip per token and runs its warpers on the host side of that trip, so
-# `RingDecoder.generate` stays the fast path; this is for code that must call `generate`.
+# **What you should see:** the same tokens, a sampled reply that ends at its first full stop (or
+# at the length), and graphs `[1, 1, 0, 0, ...]`. `generate` still makes one host round trip per
+# token and runs its warpers on the host side of that trip, so `RingDecoder.generate` stays the
+# fast path; this is for code that must call `generate`.
 #
 # ## A chat that keeps its cache
 # **What we test:** each turn's tokens, as the chat template writes them, prefilled in chunks
@@ -230,9 +255,33 @@ ui.submit("Hello!")
 
 # %% [markdown]
 # ## Exercises
-# Predict before you measure: write the number down, then run the cell and compare.
-#
-# 1. Predict whether sampling with `top_k=1` gives the greedy tokens, then check with
-#    `helpers.sampling.sampling_config`.
-# 2. Add a stop string that occurs mid-reply; predict how many tokens past it the decoder
-#    computes before it stops (it checks once per readback chunk), then count.
+# Predict before you measure: write your number down, then open the solution under the question.
+# Each solution is a collapsed cell that runs with the notebook, at the size this runtime has.
+
+# %% [markdown]
+# **1.** Does sampling with `top_k=1` give the greedy token?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 1 (open it after you predicted)
+# Yes: top-k keeps one token, and the noise cannot lift a removed token (its score is -inf).
+one = helpers.sampling.Sampler(helpers.sampling.sampling_config(top_k=1))
+positions = torch.arange(8, device=logits.device)
+drawn = one(logits.expand(8, -1), positions, torch.tensor([3], device=logits.device))
+print("top_k=1 draws:", drawn.view(-1).tolist(), "| argmax:", logits.argmax(-1).item())
+
+# %% [markdown]
+# **2.** With a stop string that ends mid-reply, how many tokens past it does the decoder make
+# before it stops?
+
+# %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
+# @title Solution 2 (open it after you predicted)
+# It checks once per readback chunk: up to one chunk less one token are made and dropped.
+full = sampled.generate(ids, series.new_tokens, seed=0, stop_ids=())
+cut_at = len(full) // 2
+stop = tokenizer.decode(full[cut_at : cut_at + 1]).strip() or tokenizer.decode(full[cut_at : cut_at + 2])
+for every in (1, 4, 8):
+    kept = sampled.generate(
+        ids, series.new_tokens, readback_every=every, seed=0, stop_strings=[stop], tokenizer=tokenizer
+    )
+    made = -(-len(kept) // every) * every  # whole chunks: what the device computed
+    print(f"readback every {every}: kept {len(kept)} tokens, made {min(made, series.new_tokens)}")

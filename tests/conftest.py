@@ -11,6 +11,17 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items):
+    """A reader's run (the tour: every notebook, default threads) is not for a one-thread test
+    worker: there it is skipped, and the README's test command runs it on its own after them."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        alone = pytest.mark.skip(reason="a reader's run, with default threads: pytest -m reader, after the workers")
+        for item in items:
+            if "reader" in item.keywords:
+                item.add_marker(alone)
+
+
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla not installed (the .ci/run xla job has it)")
 

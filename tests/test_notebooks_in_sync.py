@@ -27,3 +27,21 @@ def test_ipynb_matches_its_py_percent_source(source):
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_every_notebook_source_is_valid_python(source):
     compile(source.read_text(), str(source), "exec")  # what python -m py_compile checks
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_every_exercise_has_its_solution_collapsed_under_it_and_runs_with_the_notebook(source):
+    """A question in markdown, then its solution: a code cell Colab shows as a collapsed form and
+    Jupyter as a hidden input, tagged ``solution``, which runs whenever the notebook runs (the tour,
+    so CI), at the size the runtime has. Hints stay in the solution, not in the question."""
+    cells = jupytext.read(source).cells
+    start = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("## Exercises"))
+    rest = cells[start + 1 :]
+    questions = [i for i, c in enumerate(rest) if c.cell_type == "markdown"]
+    assert questions and len(rest) == 2 * len(questions)
+    for n, i in enumerate(questions, 1):
+        assert rest[i].source.startswith(f"**{n}.** "), rest[i].source
+        solution = rest[i + 1]
+        assert solution.cell_type == "code" and solution.metadata.get("tags") == ["solution"]
+        assert solution.metadata.get("cellView") == "form" and solution.metadata["jupyter"]["source_hidden"]
+        assert solution.source.startswith(f"# @title Solution {n} (open it after you predicted)")
