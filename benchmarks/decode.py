@@ -3,7 +3,7 @@ weights put on a 4-bit grid as QAT leaves them), every loop side by side in one 
 (a) HF generate as it comes, (b) HF's own recipe (static cache, forward compiled), and the
 course's compiled decoders: (c) one step per call (notebook 04), (d) K steps per call, (e)
 the same with its one-row matmuls as loops inductor writes (``Backend.use_matvec_loops``),
-then with those loops (f) int8 and (g) int4 linears kept compressed and (h) q/k/v and gate/up
+then with those loops (f) int4 codes a byte each and (g) packed int4 linears kept compressed and (h) q/k/v and gate/up
 fused into one matmul each (notebook 07); and (b2), HF's recipe given the same loops, to show
 what they buy alone. The timed runs are interleaved (every loop once per round), so a busy
 moment of a shared machine hits them all alike.
@@ -87,7 +87,9 @@ decoders = {
     "(c) compiled step, K=1": d.Decoder(model, backend, max_len),
     f"(d) compiled, K={k}": d.Decoder(model, backend, max_len, tokens_per_call=k),
     f"(e) matvec loops, K={k}": d.Decoder(model, backend, max_len, tokens_per_call=k, **loops_options),
-    f"(f) int8 linears, loops, K={k}": d.Decoder(compressed("int8"), backend, max_len, k, **loops_options),
+    f"(f) int4 codes a byte each, loops, K={k}": d.Decoder(
+        compressed("int4-bytes"), backend, max_len, k, **loops_options
+    ),
     f"(g) int4 linears, loops, K={k}": d.Decoder(compressed("int4"), backend, max_len, k, **loops_options),
     f"(h) fused q/k/v, gate/up, loops, K={k}": d.Decoder(fused_copy(), backend, max_len, k, **loops_options),
 }

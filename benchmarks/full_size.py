@@ -114,7 +114,7 @@ with step.phase("runs"):  # a warm-up run first: its first forward decompresses 
     measured = measure(model, tokenizer, ids, backend, n)
 save_reference(checkpoint, backend, ids, n, measured["tokens"], folder)
 series = Series(checkpoint, model, tokenizer, ids, n, measured["tokens"], n)  # a run is seconds here: n timed
-row = steps.record_baseline(results, backend, measured, model, ids.shape[1] + n // 2)
+row = steps.record_baseline(results, backend, series.checkpoint, measured, model, ids.shape[1] + n // 2)
 step.done(**timed_row(row), prefill_s=measured["prefill_s"], verdict="the reference")
 
 

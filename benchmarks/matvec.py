@@ -1,6 +1,6 @@
 """One decode matmul, two kernels: the BLAS matrix-vector product (MKL on a CPU) against the
 loop inductor writes for it with its decompose_mm_pass (``Backend.use_matvec_loops``), for
-every weight shape of the benchmarks' CPU model, float32 and as int8 codes with bf16 group
+every weight shape of the benchmarks' CPU model, float32 and as int4 codes a byte each with bf16 group
 scales dequantized inside the compiled call. Each shape is timed over enough copies of its
 weight to overflow the caches, both kernels interleaved round by round.
 
@@ -35,13 +35,16 @@ def dense(x, weight):
     return torch.nn.functional.linear(x, weight)
 
 
-def int8(x, codes, scales):
+def codes_a_byte_each(x, codes, scales):
     return torch.nn.functional.linear(x, dequantize(codes, scales, x.dtype))
 
 
 kernels = {  # name: (function, the weight's tensors from a float32 weight)
     "float32": (dense, lambda w: (w,)),
-    "int8": (int8, lambda w: (w.to(torch.int8), torch.rand(w.shape[0], w.shape[1] // GROUP_SIZE).bfloat16())),
+    "int4 bytes": (
+        codes_a_byte_each,
+        lambda w: (w.to(torch.int8), torch.rand(w.shape[0], w.shape[1] // GROUP_SIZE).bfloat16()),
+    ),
 }
 rows = []
 for out_features, in_features in shapes:

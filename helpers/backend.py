@@ -23,6 +23,7 @@ import torch
 
 from . import tpu_scan
 from .programs import AUDIT_VAR, enable_dump
+from .sources import V5E_HBM_BYTES
 
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
@@ -187,14 +188,16 @@ class Backend:
             torch.accelerator.reset_peak_memory_stats()
 
     def memory_total(self) -> int | None:
-        """Total device memory in bytes where the backend reports it."""
+        """Device memory in bytes as the backend reports it (None on cpu): CUDA's total, XLA's
+        ``bytes_limit``, TorchTPU's HBM per device (its table by chip kind: 16 GiB for a v5e;
+        without it, the limit a v5e-1 reports to programs, ``sources.V5E_HBM_BYTES``)."""
         if self.name == "cuda":
             return torch.cuda.get_device_properties(self.device).total_memory
         if self.name == "tpu":
-            try:  # TorchTPU's own table of HBM per chip kind
+            try:
                 return torch.tpu.get_device_properties(self.device).total_memory
             except (AttributeError, RuntimeError):
-                return 16 * 2**30  # one v5e chip, the course's target
+                return V5E_HBM_BYTES
         if self.name == "xla":
             return (self._xla_memory_info() or {}).get("bytes_limit")
         return None
@@ -270,6 +273,14 @@ class Backend:
         the float32 twin's exact comparisons hold. Nothing to do elsewhere."""
         if self.name == "tpu":
             torch.set_float32_matmul_precision("highest")
+
+    @property
+    def int4_by_planes(self) -> bool:
+        """Whether packed int4 times a decode row goes plane by plane (``qtable.packed_linear``):
+        on a CPU, where inductor left the columns form a scalar loop (five times slower); elsewhere
+        the dequantized weight's matmul, which a TPU's or GPU's compiler may fuse into its matrix
+        unit, where the planes' products would be elementwise work."""
+        return self.name == "cpu"
 
     def use_matvec_loops(self) -> dict | None:
         """``compile`` options that make a decode step's one-row matmuls loops inductor writes

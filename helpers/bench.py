@@ -9,6 +9,7 @@ import os
 import pathlib
 import statistics
 import time
+from collections.abc import Mapping
 from typing import Callable
 
 from tqdm.auto import tqdm
@@ -41,24 +42,37 @@ class Timing:
         return f"{self.median * 1e3:.3f} ms (min {self.min * 1e3:.3f}, max {self.max * 1e3:.3f}, n={len(self.times)})"
 
 
+def host_read(out) -> None:
+    """Bring one number of ``out`` (its first tensor's last element; a list of ints is on the host
+    already) to the host. A timed call ends only when its result is there: a device's synchronize
+    alone may return before compiled work ran (TorchTPU's did, before torch_tpu#2494: a compiled
+    op timed at 0.1 ms against 89 ms, pytorch/helion#3155), and a lazy backend computes nothing
+    that is never read."""
+    if isinstance(out, Mapping):  # a model's output: its logits
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):  # a step's (token, position): the token
+        out = next((o for o in out if hasattr(o, "tolist")), None)
+    if hasattr(out, "tolist"):
+        out.reshape(-1)[-1:].tolist()
+
+
 def time_fn(
     fn: Callable, *args, sync: Callable[[], None], warmup: int = 2, repeats: int = 10, desc: str | None = None, **kwargs
 ) -> Timing:
-    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeats`` timed ones.
-
-    ``sync`` waits for the device (``backend.sync``): without it an asynchronous device
-    returns before the work is done. Each call's output is kept alive until after the sync,
-    since a lazy backend never computes a result that was dropped.
-    """
+    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeats`` timed ones, each
+    ending on a host read of its output (``host_read``) and ``sync``, which waits for the rest of
+    the device's queue (``backend.sync``): an asynchronous device returns before the work is done."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):
         out = fn(*args, **kwargs)
+        host_read(out)
         sync()
     times = []
     for _ in tqdm(range(repeats), desc=desc, disable=desc is None, leave=False):
         start = time.perf_counter()
         out = fn(*args, **kwargs)
+        host_read(out)
         sync()
         times.append(time.perf_counter() - start)
     return Timing(times, out)
@@ -151,18 +165,24 @@ class Results:
         return table(self.rows(), columns)
 
     def chart(self, value: str, title: str, source: str | None = None, step: str | None = None, log: bool = False):
-        """A bar chart of ``value`` for every row that has it (of one ``step`` if given);
-        ``source`` names a column holding the source's own figure, drawn beside ours and
-        labelled as the source's. Saved as ``<value>.png`` in the run folder."""
+        """A bar chart of ``value`` for every row that has it (of one ``step`` if given), its
+        title naming the model, the device and the run (this run folder). ``source`` names a
+        column holding the source's own figure (E2B on a TPU v5e-1), drawn beside ours, labelled
+        as the source's, only where every row is Google's E2B on a TPU: a twin's or a CPU's
+        figures on one axis with the source's would compare nothing. Saved as ``<value>.png`` in
+        the run folder."""
         import matplotlib.pyplot as plt
 
         rows = [r for r in self.rows() if r.get(value) is not None and step in (None, r["step"])]
         labels = [f"{r['step']}\n{r['label']}" for r in rows]
-        fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3.5))
+        beside = bool(source and rows and all(r.get("real_model") and r["backend"] == "tpu" for r in rows))
+        models = ", ".join(sorted({str(r.get("model", "?")) for r in rows}))
+        backends = ", ".join(sorted({r["backend"] for r in rows}))
+        fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3.8))
         xs = range(len(rows))
-        width = 0.4 if source else 0.8
-        ax.bar([x - width / 2 if source else x for x in xs], [r[value] for r in rows], width, label="this run")
-        if source:
+        width = 0.4 if beside else 0.8
+        ax.bar([x - width / 2 if beside else x for x in xs], [r[value] for r in rows], width, label="this run")
+        if beside:
             ax.bar(
                 [x + width / 2 for x in xs],
                 [r.get(source) or 0 for r in rows],
@@ -175,7 +195,8 @@ class Results:
         ax.set_ylabel(value)
         if log:
             ax.set_yscale("log")
-        ax.set_title(title)
+        apart = "" if beside or not source else "; the source's TPU figures are in the table, not beside these"
+        ax.set_title(f"{title}\n{models} on {backends}, run {self.path.parent.name}{apart}", fontsize=9)
         fig.tight_layout()
         fig.savefig(self.path.parent / f"{value}{'_' + step.split()[0] if step else ''}.png", dpi=100)
         return fig

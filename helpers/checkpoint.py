@@ -395,8 +395,8 @@ def teacher_forced_gaps(model, ids: torch.Tensor, tokens: list[int]) -> tuple[to
     and one unit in the last place of the top logit at the logits' dtype."""
     device = next(model.parameters()).device
     full = torch.cat([ids.cpu(), torch.tensor([tokens], dtype=ids.dtype)], dim=1).to(device)
-    with torch.no_grad():
-        logits = model(full, use_cache=False).logits[0, ids.shape[1] - 1 : ids.shape[1] - 1 + len(tokens)]
+    with torch.no_grad():  # the head on the generated positions only: a long prompt's logits are vocab-wide
+        logits = model(full, use_cache=False, logits_to_keep=len(tokens) + 1).logits[0, : len(tokens)]
     dtype, logits = logits.dtype, logits.float().cpu()
     top = logits.max(-1).values
     gaps = top - logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]

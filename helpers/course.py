@@ -1,5 +1,6 @@
 """Where the course is published: the one place that names its repository and the branch the
-notebooks fetch. The README's Colab badges and every notebook's set-up cell are written from it.
+notebooks fetch. The README's Colab badges, every notebook's set-up cell and its links to the
+glossary (``docs/glossary.md``) are written from it.
 
     python -m helpers.course           # rewrite badges and set-up cells (a fork does this once)
     python -m helpers.course --check   # list where they disagree with this file; exit 1 if any
@@ -27,8 +28,18 @@ _BADGE = re.compile(
 )
 
 
+_GLOSSARY = re.compile(r"https://github\.com/[^/\s]+/[^/\s]+/blob/[^/\s#]+/docs/glossary\.md#([a-z-]+)")
+GLOSSARY = ROOT / "docs" / "glossary.md"
+
+
 def repo_url() -> str:
     return f"https://github.com/{GITHUB}"
+
+
+def glossary_url(anchor: str) -> str:
+    """The published glossary's entry ``anchor`` (a notebook links the first use of a term to it:
+    Colab shows the notebook alone, so the link is the repository's page, not a relative path)."""
+    return f"{repo_url()}/blob/{REF}/docs/glossary.md#{anchor}"
 
 
 def setup_cell() -> str:
@@ -97,8 +108,8 @@ def notebook_setup_cell(source: str) -> str | None:
 
 
 def mismatches() -> list[str]:
-    """Where the README's badges or a notebook's set-up cell (source and .ipynb) disagree with
-    this file; empty when all agree."""
+    """Where the README's badges, a notebook's set-up cell (source and .ipynb) or its glossary
+    links disagree with this file (or name no entry of the glossary); empty when all agree."""
     import jupytext
 
     found = []
@@ -108,6 +119,12 @@ def mismatches() -> list[str]:
         twin = jupytext.read(path.with_suffix(".ipynb"))
         if setup_cell() not in [c.source for c in twin.cells if c.cell_type == "code"]:
             found.append(f"{path.with_suffix('.ipynb').name}: set-up cell differs")
+    anchors = set(re.findall(r"^## (.+)$", GLOSSARY.read_text(), flags=re.M))
+    anchors = {re.sub(r"[^a-z0-9 -]", "", a.lower()).replace(" ", "-") for a in anchors}
+    for path in NOTEBOOKS:
+        for link in _GLOSSARY.finditer(path.read_text()):
+            if link.group(0) != glossary_url(link.group(1)) or link.group(1) not in anchors:
+                found.append(f"{path.name}: glossary link {link.group(0)}")
     readme = README.read_text()
     for url in _BADGE.finditer(readme):
         if url.group(0) != badge_url(url.group(1).split("/", 1)[1]):
@@ -118,8 +135,8 @@ def mismatches() -> list[str]:
 
 
 def write() -> None:
-    """Rewrite the README's badges and every notebook's set-up cell from this file, then sync
-    the .ipynb twins (jupytext)."""
+    """Rewrite the README's badges, every notebook's set-up cell and glossary links from this
+    file, then sync the .ipynb twins (jupytext)."""
     import jupytext.cli
 
     README.write_text(_BADGE.sub(lambda m: badge_url(m.group(1).split("/", 1)[1]), README.read_text()))
@@ -127,7 +144,8 @@ def write() -> None:
         text, cell = path.read_text(), notebook_setup_cell(path.read_text())
         if cell is None:
             raise ValueError(f"{path.name} has no set-up cell (a code cell starting {_FIRST_LINE!r})")
-        path.write_text(text.replace(cell, setup_cell(), 1))
+        text = _GLOSSARY.sub(lambda m: glossary_url(m.group(1)), text.replace(cell, setup_cell(), 1))
+        path.write_text(text)
         jupytext.cli.jupytext(["--sync", "--quiet", str(path)])
 
 

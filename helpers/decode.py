@@ -99,6 +99,21 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for t in kv_buffers(cache))
 
 
+def cache_read_bytes(model, cache) -> int:
+    """K and V bytes one step's attention reads, from the cache's tensors: every layer reads its own
+    buffers, and a K/V-sharing layer those of the last earlier layer of its type that stores them
+    (Gemma 4's ``shared_kv_states``): at E2B a full layer's buffer is read by 7 layers, not held 7
+    times. A static shape reads a whole buffer, filled or not."""
+    config = model.config.get_text_config()
+    owner, total = {}, 0
+    for i, (kind, decoder) in enumerate(zip(config.layer_types, model.model.layers)):
+        if not decoder.self_attn.is_kv_shared_layer:
+            owner[kind] = i
+        layer = cache.layers[owner[kind]]
+        total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
+
+
 def device_bytes(model, cache: Cache) -> int:
     """Weights and buffers (tied ones once) plus the KV cache, from their tensors."""
     return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)

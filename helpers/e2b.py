@@ -8,7 +8,7 @@ import pathlib
 
 import torch
 
-from .packed import GROUP_SIZE, TABLE_SCALE_BYTES, int4_bytes
+from .packed import GROUP_SIZE, int4_bytes, table_bytes, table_row_words
 from .sources import CONTEXT, V5E_BYTES_PER_S
 
 E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
@@ -33,27 +33,30 @@ def meta_model(config):
 
 def component_bytes(model) -> list[dict]:
     """Bytes per component of a (meta) text model, in bf16, in int4 group-32 with bf16 scales
-    (the checkpoint's linears; the source's arithmetic for the tables), and in int4 as stored
-    exactly (``int4_exact_bytes``: float32 steps for the tables, ``TABLE_SCALE_BYTES``): the two
-    embedding tables, all linears of the decoder, and the lm_head copy a checkpoint may store."""
+    (the checkpoint's linears; the source's arithmetic for the tables), and in int4 as the course
+    stores them exactly (``int4_exact_bytes``): the linears with the checkpoint's bf16 scales, a
+    table as notebook 05 lays it out for a TPU, float32 steps beside its codes in rows padded to
+    128 words (``packed.table_bytes``): the two embedding tables, all linears of the decoder, and
+    the lm_head copy a checkpoint may store."""
     inner = model.model
     linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
-    rows = [  # (name, tensors, scale bytes when stored exactly)
-        ("embed_tokens", [inner.embed_tokens.weight], TABLE_SCALE_BYTES),
-        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight], TABLE_SCALE_BYTES),
-        (f"linears ({len(linears)})", [m.weight for m in linears], 2),
-        ("lm_head copy", [model.lm_head.weight], TABLE_SCALE_BYTES),
+    rows = [  # (name, tensors, whether a table)
+        ("embed_tokens", [inner.embed_tokens.weight], True),
+        ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight], True),
+        (f"linears ({len(linears)})", [m.weight for m in linears], False),
+        ("lm_head copy", [model.lm_head.weight], True),
     ]
     out = []
-    for name, tensors, scale_bytes in rows:
+    for name, tensors, is_table in rows:
         numel = sum(t.numel() for t in tensors)
+        exact = [table_bytes(*t.shape) if is_table else int4_bytes(t.numel()) for t in tensors]
         out.append(
             {
                 "component": name,
                 "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
                 "bf16_bytes": numel * 2,
                 "int4_bytes": sum(int4_bytes(t.numel()) for t in tensors),
-                "int4_exact_bytes": sum(int4_bytes(t.numel(), scale_bytes=scale_bytes) for t in tensors),
+                "int4_exact_bytes": sum(exact),
             }
         )
     return out
@@ -67,6 +70,21 @@ def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int 
         if mode == "reuse":
             continue
         layer = config.per_layer_config[i]
+        length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
+        total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
+    return total
+
+
+def kv_read_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
+    """Bytes of K and V one decode step's attention reads with ``positions`` in the cache: each
+    layer reads its own buffers, a K/V-sharing layer those of the last earlier layer of its type
+    that stores them (E2B: the 7 full layers each read a full-length buffer, the 28 sliding ones
+    a window with ``ring``). What a step holds is ``kv_cache_bytes``."""
+    total, owner = 0, {}
+    for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
+        if mode != "reuse":
+            owner[kind] = i
+        layer = config.per_layer_config[owner[kind]]
         length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
         total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
     return total
@@ -155,8 +173,9 @@ def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
 def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: float = V5E_BYTES_PER_S) -> list[dict]:
     """Per step of the series (and notebook 07's variants), at E2B scale on the meta device:
     the weights on the device, the bytes one decode step reads (every weight once, the tied
-    head reading the main table whole, one row of the per-layer table, the KV cache the
-    attention reads: ``context`` positions, or the ring's buffers at ``ring_context``) and the
+    head reading the main table whole, one row of the per-layer table, the K and V every
+    attention layer reads, ``kv_read_bytes``: ``context`` positions, or the ring's buffers at
+    ``ring_context``; the cache held beside it, ``kv_cache_bytes``) and the
     ceiling tok/s at ``bandwidth`` (a v5e's 819 GB/s); and the FLOPs of a step at batch 1 (the
     attention over a short cache is left out: a few MFLOPs)."""
     config = real_config()
@@ -168,32 +187,26 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
     rest = sum(p.numel() for p in model.parameters()) - sum(linears) - embed - rows * cols  # norms, scalars
     lin = {
         "bf16": sum(linears) * 2,
-        "int8": sum(n + n // GROUP_SIZE * 2 for n in linears),
+        "int4 bytes": sum(n + n // GROUP_SIZE * 2 for n in linears),  # a code per byte, not int8 quantization
         "int4": sum(int4_bytes(n) for n in linears),
     }
-    exact = TABLE_SCALE_BYTES  # the tables' steps are finer than bf16
-    table = {
+    table = {  # as notebook 05 lays it out: float32 steps beside the codes, rows of 128-word multiples
         "bf16": (rows * cols * 2, cols * 2),
-        "int4": (int4_bytes(rows * cols, scale_bytes=exact), int4_bytes(cols, scale_bytes=exact)),
+        "int4": (table_bytes(rows, cols), table_row_words(cols) * 4),
     }
-    head = {"bf16": embed * 2, "int4": int4_bytes(embed, scale_bytes=exact)}
-    steps = [  # (step, linears, per-layer table, main table and head, cache read)
-        ("03 HF generate", "bf16", "bf16", "bf16", kv_cache_bytes(config, context, ring=True)),
-        ("04 compiled step", "bf16", "bf16", "bf16", kv_cache_bytes(config, context)),
-        ("05 4-bit table", "bf16", "int4", "bf16", kv_cache_bytes(config, context)),
-        (
-            f"06 ring cache, {ring_context:,} positions",
-            "bf16",
-            "int4",
-            "bf16",
-            kv_cache_bytes(config, ring_context, ring=True),
-        ),
-        ("07 int8 linears", "int8", "int4", "bf16", kv_cache_bytes(config, context)),
-        ("07 int4 linears", "int4", "int4", "bf16", kv_cache_bytes(config, context)),
-        ("07 int4 linears, 4-bit head", "int4", "int4", "int4", kv_cache_bytes(config, context)),
+    head = {"bf16": embed * 2, "int4": table_bytes(*inner.embed_tokens.weight.shape)}
+    steps = [  # (step, linears, per-layer table, main table and head, positions, ring)
+        ("03 HF generate", "bf16", "bf16", "bf16", context, True),
+        ("04 compiled step", "bf16", "bf16", "bf16", context, False),
+        ("05 4-bit table", "bf16", "int4", "bf16", context, False),
+        (f"06 ring cache, {ring_context:,} positions", "bf16", "int4", "bf16", ring_context, True),
+        ("07 int4 codes a byte each", "int4 bytes", "int4", "bf16", context, False),
+        ("07 int4 linears", "int4", "int4", "bf16", context, False),
+        ("07 int4 linears, 4-bit head", "int4", "int4", "int4", context, False),
     ]
     out = []
-    for step, lin_fmt, table_fmt, head_fmt, cache in steps:
+    for step, lin_fmt, table_fmt, head_fmt, positions, ring in steps:
+        cache = kv_read_bytes(config, positions, ring)
         weights = lin[lin_fmt] + table[table_fmt][0] + head[head_fmt] + rest * 2
         read = lin[lin_fmt] + table[table_fmt][1] + head[head_fmt] + rest * 2 + cache
         out.append(
@@ -203,6 +216,7 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
                 "per-layer table": table_fmt,
                 "head": head_fmt,
                 "weights_on_device": weights,
+                "cache_held": kv_cache_bytes(config, positions, ring),
                 "cache_read": cache,
                 "bytes_per_token": read,
                 "ceiling_tok_s": bandwidth / read,

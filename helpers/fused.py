@@ -31,7 +31,8 @@ class Fused(torch.nn.Module):
         first = linears[0]
         if isinstance(first, QLinear):
             codes = torch.cat([m.codes for m in linears])
-            self.linear = QLinear(codes, torch.cat([m.scales for m in linears]), first.dtype, first.fmt)
+            scales = torch.cat([m.scales for m in linears])
+            self.linear = QLinear(codes, scales, first.dtype, first.fmt, first.by_planes)
         else:
             weight = torch.cat([m.weight.detach() for m in linears])
             self.linear = torch.nn.Linear(first.in_features, weight.shape[0], bias=False, device="meta")

@@ -43,6 +43,26 @@ def int4_bytes(numel: int, group_size: int = GROUP_SIZE, scale_bytes: int = 2) -
     return numel // 2 + numel // group_size * scale_bytes
 
 
+# A TPU gathers more than one row of an int32 table whose rows are not a multiple of 128 words
+# by reading the whole table (others' measurement on a v5e-1: 4.2 ms a step for E2B's per-layer
+# table, flat in the number of ids, 0.06 ms padded; xbill9/gemma4-dev, jev-tpu-v5e1/README.md,
+# "The int4 tables must be 128 columns wide").
+TPU_ROW_WORDS = 128
+
+
+def table_row_words(cols: int, group_size: int = GROUP_SIZE) -> int:
+    """int32 words of one row of a 4-bit table laid out for a TPU (``qtable.QTable``): the row's
+    codes, eight a word, then its float32 steps, one a group, then zeros to a multiple of
+    ``TPU_ROW_WORDS`` (E2B's per-layer table: 1,120 + 280 words, padded to 1,408)."""
+    words = cols // 8 + cols // group_size
+    return -(-words // TPU_ROW_WORDS) * TPU_ROW_WORDS
+
+
+def table_bytes(rows: int, cols: int) -> int:
+    """Bytes of a ``rows`` x ``cols`` 4-bit table laid out for a TPU, its padding counted."""
+    return rows * table_row_words(cols) * 4
+
+
 def tensor_kind(name: str, tensor: torch.Tensor) -> str:
     """What a model tensor holds, by its name and dtype: packed int4, its scales, bf16, ..."""
     if name.endswith("weight_packed"):

@@ -1,9 +1,11 @@
 """The linears kept compressed on the device and dequantized inside the compiled step, read
-straight from the checkpoint's packed tensors: the QAT int4 codes stored one per int8 (1 byte
-a weight) or packed eight per int32 word as compressed-tensors saved them (half a byte), with
-their bf16 group scales. Both give the checkpoint's weights exactly: codes x scales rounded to
-bf16, as compressed-tensors' own dequantization does. Packed int4 times a decode step's one row
-goes plane by plane through the words (``qtable.packed_linear``)."""
+straight from the checkpoint's packed tensors: the QAT int4 codes stored one per byte (format
+``int4-bytes``, an int8 each: 1 byte a weight; not int8 quantization, whose values would not be
+the checkpoint's) or packed eight per int32 word as compressed-tensors saved them (``int4``,
+half a byte), with their bf16 group scales. Both give the checkpoint's weights exactly: codes x
+scales rounded to bf16, as compressed-tensors' own dequantization does. Packed int4 times a
+decode step's one row goes plane by plane through the words on a CPU, and as the dequantized
+weight's matmul elsewhere (``qtable.packed_linear``)."""
 
 from __future__ import annotations
 
@@ -13,29 +15,29 @@ from .hub import local_folder
 from .packed import CheckpointTensors, checkpoint_key
 from .qtable import dequantize, exact_scales, packed_linear, recover_grid, unpack_rows
 
-FORMATS = ("int8", "int4")
+FORMATS = ("int4-bytes", "int4")  # codes one per byte, or eight per int32 word
 
 
 class QLinear(torch.nn.Module):
     """A drop-in for a bias-free ``nn.Linear`` whose weight stays compressed on the device.
 
-    Args: ``codes``, int8 [out, in] (format ``int8``) or int32 words [out, in / 8] (``int4``,
+    Args: ``codes``, int8 [out, in] (format ``int4-bytes``) or int32 words [out, in / 8] (``int4``,
     compressed-tensors' ``pack-quantized`` layout); ``scales`` [out, in / 32], bf16 (the
     checkpoint's), or float32 where a grid's step is finer than bf16 (``from_linear``);
     ``dtype``, the dtype of the weight the matmul sees. ``forward(x)``: [..., in] -> [..., out]."""
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str):
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str, by_planes=False):
         super().__init__()
         if fmt not in FORMATS:
             raise ValueError(f"format {fmt!r}: pick one of {', '.join(FORMATS)}")
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
-        self.fmt, self.dtype = fmt, dtype
+        self.fmt, self.dtype, self.by_planes = fmt, dtype, by_planes
         self.out_features = codes.shape[0]
         self.in_features = codes.shape[1] * (8 if fmt == "int4" else 1)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, fmt: str) -> "QLinear":
+    def from_linear(cls, linear: torch.nn.Linear, fmt: str, by_planes: bool = False) -> "QLinear":
         """From a linear whose weight lies on a 4-bit grid (its codes and scales recovered
         exactly, never re-quantized); for a model that was not loaded from a packed checkpoint."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
@@ -45,7 +47,7 @@ class QLinear(torch.nn.Module):
             raise ValueError(f"{int((~found).sum())} groups of this linear's weight are on no 4-bit grid")
         codes = pack_to_int32(codes, 4) if fmt == "int4" else codes
         device = linear.weight.device
-        return cls(codes.to(device), exact_scales(scales).to(device), linear.weight.dtype, fmt)
+        return cls(codes.to(device), exact_scales(scales).to(device), linear.weight.dtype, fmt, by_planes)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -55,21 +57,25 @@ class QLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "int4":
-            return packed_linear(x, self.codes, self.scales, self.dtype)
+            return packed_linear(x, self.codes, self.scales, self.dtype, self.by_planes)
         return torch.nn.functional.linear(x, self.weight)
 
     def extra_repr(self) -> str:
         scales = str(self.scales.dtype).removeprefix("torch.")
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} codes, {scales} scales"
+        form = ", plane by plane" if self.by_planes and self.fmt == "int4" else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.fmt} codes, {scales} scales{form}"
+        )
 
 
-def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
+def keep_linears_compressed(model, checkpoint, fmt: str, by_planes: bool = False) -> dict:
     """Swap every text linear for a ``QLinear`` in ``fmt``, never re-quantized: built from the
     checkpoint's own codes and scales where it saved them packed (Google's ``-ct`` export), or,
     for a checkpoint that saved no packed weight (the QAT repository's dense bf16), from each
     dense weight's own 4-bit grid, recovered exactly (a weight off its grid is refused). The
     dense weights are freed. Returns where the codes came from, the count, and bytes before and
-    after; a model with no linear to swap is refused, never timed under this name."""
+    after; a model with no linear to swap is refused, never timed under this name. ``by_planes``:
+    the packed product's form for a CPU (``qtable.packed_linear``)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     before = after = 0
@@ -94,10 +100,10 @@ def keep_linears_compressed(model, checkpoint, fmt: str) -> dict:
                 shape = torch.Size(tensors.get(stem + "weight_shape").tolist())
                 codes = words if fmt == "int4" else unpack_from_int32(words, 4, shape).to(torch.int8)
                 device, dtype = held[0].device, module.dtype if isinstance(module, QLinear) else module.weight.dtype
-                q = QLinear(codes.to(device), scales.to(device), dtype, fmt)
+                q = QLinear(codes.to(device), scales.to(device), dtype, fmt, by_planes)
             else:
                 try:
-                    q = QLinear.from_linear(module, fmt)
+                    q = QLinear.from_linear(module, fmt, by_planes)
                 except ValueError as err:
                     raise ValueError(
                         f"{name}: {err}, and the checkpoint saved no packed codes to use instead"

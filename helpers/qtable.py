@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .hub import local_folder
-from .packed import GROUP_SIZE, CheckpointTensors, checkpoint_key
+from .packed import GROUP_SIZE, CheckpointTensors, checkpoint_key, table_row_words
 
 ROWS_PER_BLOCK = 1024  # E2B's table is 2.3 G values: work through it on the host in blocks
 # The peak's level, most likely first: a QAT grid's step is set by its largest value (level 7
@@ -144,16 +144,21 @@ def code_planes(packed: torch.Tensor) -> torch.Tensor:
     return (nibbles | negative.to(torch.int32).unsqueeze(-2) * top) - 8
 
 
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, by_planes: bool = False
+) -> torch.Tensor:
     """``F.linear(x, weight)`` for the weight [out, in] that int32 words [out, in / 8] and their
-    scales [out, in / 32] hold, its values exactly the grid's (``dequantize``). Several rows of
-    ``x`` (a prefill) multiply the weight unpacked into its columns. One row (a decode step's)
-    is multiplied plane by plane instead: plane k holds every word's k-th code, which multiplies
-    the inputs 8j + k, so each word is read once and shifted by a constant per plane. The same
-    products, summed in float32 in another order; unpacked into columns, a CPU compiler
-    interleaves the eight codes with a shift that varies along the row and leaves the loop
-    scalar (``benchmarks/int4_cpu.py``: five times slower at E2B's widest linears)."""
-    if x.shape[:-1].numel() != 1:
+    scales [out, in / 32] hold, its values exactly the grid's (``dequantize``). As written for a
+    TPU (the default): the weight unpacked and dequantized, then a matmul, which XLA may fuse so
+    that the matrix unit reads the packed words. With ``by_planes`` (a CPU's form,
+    ``Backend.int4_by_planes``), one row of ``x`` (a decode step's) is multiplied plane by plane
+    instead: plane k holds every word's k-th code, which multiplies the inputs 8j + k, so each
+    word is read once and shifted by a constant per plane; elementwise work a TPU's vector unit
+    would do, not its matrix unit. The same products, summed in float32 in another order;
+    unpacked into columns, a CPU compiler interleaves the eight codes with a shift that varies
+    along the row and leaves the loop scalar (``benchmarks/int4_cpu.py``: five times slower at
+    E2B's widest linears)."""
+    if not by_planes or x.shape[:-1].numel() != 1:
         return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
     out, words = packed.shape
     groups, per_group = scales.shape[-1], words // scales.shape[-1]  # 4 words per group of 32
@@ -164,39 +169,69 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, d
 
 
 class QTable(torch.nn.Module):
-    """A drop-in for Gemma 4's scaled word embedding (same call, same embed scale), holding
-    the table as packed int4 with one scale per group; a lookup gathers the token's packed row
-    and its scales, then dequantizes only that row.
+    """A drop-in for Gemma 4's scaled word embedding (same call, same embed scale), holding the
+    table in 4-bit as one int32 row per token, laid out for a TPU's gather: the row's packed
+    codes (compressed-tensors' ``pack-quantized`` words, eight codes -8..7 each, low nibble
+    first), then its float32 steps (one per group of 32, their bits), then zeros to a multiple of
+    128 words (``packed.table_row_words``). A lookup gathers the tokens' rows, then dequantizes
+    only those.
 
-    Args: ``packed`` [rows, cols / 8] int32 (compressed-tensors' ``pack-quantized`` words, eight
-    codes -8..7 each, low nibble first); ``scales`` [rows, cols / 32] (either sign), bf16 or
-    float32, whichever reproduces the table exactly;
-    ``embed_scale``, the embedding's scalar factor; ``dtype``, that of the rows it returns.
-    ``forward(input_ids)``: int64 ids of any shape [...]; returns [..., cols] in ``dtype``, the
-    rows times the embed scale, as ``Gemma4TextScaledWordEmbedding`` does."""
+    Args: ``rows`` and ``cols``, the table's shape; ``embed_scale``, the embedding's scalar
+    factor; ``dtype``, that of the rows it returns; ``device``. Its rows are written by ``put``
+    (or built by ``of``, ``from_embedding``, ``from_checkpoint``). ``forward(input_ids)``: int64
+    ids of any shape [...]; returns [..., cols] in ``dtype``, the rows times the embed scale, as
+    ``Gemma4TextScaledWordEmbedding`` does. ``packed`` and ``scales`` read back as views."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, embed_scale: float, dtype: torch.dtype):
+    def __init__(self, rows: int, cols: int, embed_scale: float, dtype: torch.dtype, device=None):
         super().__init__()
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
+        self.words, self.groups, self.embedding_dim = cols // 8, cols // GROUP_SIZE, cols
+        self.register_buffer("table", torch.zeros(rows, table_row_words(cols), dtype=torch.int32, device=device))
         # a device buffer, as Gemma 4's embedding keeps it: a host scalar made inside the
         # compiled step would be a host-to-device copy per call
-        self.register_buffer("embed_scale", torch.tensor(embed_scale, device=packed.device), persistent=False)
+        self.register_buffer("embed_scale", torch.tensor(embed_scale, device=device), persistent=False)
         self.dtype = dtype
-        self.embedding_dim = packed.shape[1] * 8
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, scales: torch.Tensor, embed_scale: float, dtype: torch.dtype) -> "QTable":
+        """The table of ``packed`` [rows, cols / 8] int32 codes and ``scales`` [rows, cols / 32]
+        (either sign; bf16 or float32, kept as float32, exactly)."""
+        module = cls(packed.shape[0], packed.shape[1] * 8, embed_scale, dtype, packed.device)
+        module.put(0, packed, scales)
+        return module
+
+    def put(self, start: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write rows ``start``.. of the table: their codes, then their steps as float32 bits."""
+        rows = self.table[start : start + packed.shape[0]]
+        rows[:, : self.words] = packed
+        rows[:, self.words : self.words + self.groups] = scales.float().view(torch.int32)
+
+    def put(self, start: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
+        """Write rows ``start``.. of the table: their codes, their steps as float32 bits, zeros after."""
+        rows = self.table[start : start + packed.shape[0]]
+        rows[:, : self.words] = packed
+        rows[:, self.words : self.words + self.groups] = scales.float().view(torch.int32)
+        rows[:, self.words + self.groups :] = 0
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.table[:, : self.words]
+
+    @property
+    def scales(self) -> torch.Tensor:
+        return self.table[:, self.words : self.words + self.groups].view(torch.float32)
 
     @classmethod
     def from_embedding(cls, embedding, exact_only: bool = False) -> tuple["QTable", dict]:
-        """Built from a model's embedding: its exact 4-bit grid, group by group, its scales in
-        bf16 if every step is a bf16 number, else float32 (the report's "scale dtype"); a group
-        on no grid is quantized by compressed-tensors, and the report says how many and the
-        largest error that introduced (``exact_only``: raise instead)."""
+        """Built from a model's embedding: its exact 4-bit grid, group by group; a group on no
+        grid is quantized by compressed-tensors, and the report says how many and the largest
+        error that introduced (``exact_only``: raise instead)."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
         from tqdm.auto import tqdm
 
         table = embedding.weight.detach()
+        module = cls(*table.shape, embedding.scalar_embed_scale, table.dtype, table.device)  # written block by block
         starts = range(0, table.shape[0], ROWS_PER_BLOCK)
-        codes, scales, missed, error = [], [], 0, 0.0
+        missed, error = 0, 0.0
         for start in tqdm(starts, desc="recovering the 4-bit grid", disable=len(starts) < 4):
             block = table[start : start + ROWS_PER_BLOCK].cpu()
             c, sc, found = recover_grid(block)
@@ -208,14 +243,7 @@ class QTable(torch.nn.Module):
                 sc = torch.where(found, sc, qs)
                 missed += int((~found).sum())
                 error = max(error, (dequantize(c, sc, block.dtype) - block).abs().max().item())
-            codes.append(pack_to_int32(c, 4))
-            scales.append(sc)
-        module = cls(
-            torch.cat(codes).to(table.device),
-            exact_scales(torch.cat(scales)).to(table.device),
-            embedding.scalar_embed_scale,
-            table.dtype,
-        )
+            module.put(start, pack_to_int32(c, 4).to(table.device), sc.to(table.device))
         groups = table.numel() // GROUP_SIZE
         report = {
             "from": "the table's own 4-bit grid" if not missed else "its grid, compressed-tensors where off it",
@@ -223,7 +251,7 @@ class QTable(torch.nn.Module):
             "groups": groups,
             "groups off the grid": missed,
             "max abs error": error,
-            "scale dtype": str(module.scales.dtype).removeprefix("torch."),
+            "row words": module.table.shape[1],
             "bytes before": table.numel() * table.element_size(),
             "bytes after": module.nbytes(),
         }
@@ -246,21 +274,25 @@ class QTable(torch.nn.Module):
                 f"{(embedding.num_embeddings, embedding.embedding_dim)}"
             )
         device = embedding.weight.device
-        module = cls(packed.to(device), scales.to(device), embedding.scalar_embed_scale, embedding.weight.dtype)
+        module = cls.of(packed.to(device), scales.to(device), embedding.scalar_embed_scale, embedding.weight.dtype)
         return module, {
             "from": f"packed in {where}",
-            "exact grid": True,  # the checkpoint's own codes and scales, in the dtype it saved
-            "scale dtype": str(scales.dtype).removeprefix("torch."),
+            "exact grid": True,  # the checkpoint's own codes and scales, the scales widened to float32 exactly
+            "row words": module.table.shape[1],
             "bytes before": shape[0] * shape[1] * embedding.weight.element_size(),
             "bytes after": module.nbytes(),
         }
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in (self.packed, self.scales))
+        """The table's bytes, its padding counted: what it holds on the device."""
+        return self.table.numel() * self.table.element_size()
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The dequantized rows of ``input_ids`` (any shape), in the table's dtype."""
-        return dequantize(unpack_rows(self.packed[input_ids]), self.scales[input_ids], self.dtype)
+        """The dequantized rows of ``input_ids`` (any shape), in the table's dtype: one gather of
+        whole 128-word rows, codes and steps together."""
+        gathered = self.table[input_ids]
+        steps = gathered[..., self.words : self.words + self.groups].view(torch.float32)
+        return dequantize(unpack_rows(gathered[..., : self.words]), steps, self.dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The whole table, dequantized (what a tied output head multiplies by)."""

@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 from .bench import time_fed, time_fn
-from .decode import Decoder, allocated_layers, cache_bytes, greedy_step, kv_buffers
+from .decode import Decoder, allocated_layers, cache_bytes, cache_read_bytes, greedy_step, kv_buffers
 from .sampling import greedy_config
 
 EMPTY = -1  # the position of a slot never written
@@ -237,17 +237,49 @@ class RingDecoder(Decoder):
     """Notebook 04's decoder on a ring cache: one compiled decode step for every position, and
     one compiled prefill chunk of ``chunk_size`` tokens for prompts of any length.
 
-    Args as ``Decoder``'s, plus ``chunk_size`` (default: the sliding window). ``max_len`` may
-    be any size (131,328 for the source's headline context). Same calls and shapes as
-    ``Decoder``; ``forward_chunk(tokens [1, C], positions [1, C], valid [C] bool)`` returns the
-    logits [1, C, vocab] and records the chunk's real positions in the ring."""
+    Args as ``Decoder``'s, plus ``chunk_size`` (default: the sliding window) and ``buckets``,
+    shorter lengths the full layers' buffers may take on the way to ``max_len``. ``max_len``
+    may be any size (131,328 for the source's headline context). A static shape reads its whole
+    buffer every step; with buckets a step runs on the smallest one that holds the context, and
+    moving up copies the cache once into the next: one compiled step (and prefill chunk) per
+    bucket, each reading only its own buffer. Same calls and shapes as ``Decoder``;
+    ``forward_chunk(tokens [1, C], positions [1, C], valid [C] bool)`` returns the logits
+    [1, C, vocab] and records the chunk's real positions in the ring. ``at``: the positions the
+    cache holds, counted on the host."""
 
-    def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, **compile_options):
+    def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, buckets=(), **compile_options):
         self.chunk_size = chunk_size or model.config.get_text_config().sliding_window
+        self.buckets = sorted({*buckets, max_len})
+        if self.buckets[0] < self.chunk_size or self.buckets[-1] != max_len:
+            raise ValueError(
+                f"buckets {sorted(buckets)} must lie between the chunk size {self.chunk_size} and {max_len}"
+            )
+        self.at = 0
         super().__init__(model, backend, max_len, **compile_options)
 
     def new_cache(self, model, max_len: int) -> RingCache:
-        return RingCache(model, max_len, self.chunk_size)
+        return RingCache(model, self.buckets[0], self.chunk_size)  # the smallest bucket first
+
+    def fit(self, end: int) -> None:
+        """Make the cache the smallest bucket that holds positions 0..``end``-1: a larger one is
+        allocated and what the cache holds copied into it once (the ring's slots whole, the full
+        layers' positions so far); a new prompt from position 0 may move back down, copying nothing."""
+        bucket = next(b for b in self.buckets if b >= end)
+        if bucket == self.cache.max_len or (bucket < self.cache.max_len and self.at):
+            return
+        old, self.cache = self.cache, RingCache(self.model, bucket, self.chunk_size)
+        if self.at:  # moving up mid-context: the same slots, a longer buffer for the full layers
+            for new, held in zip(self.cache.layers, old.layers):
+                if held.is_initialized:
+                    new.keys[:, :, : held.keys.shape[2]].copy_(held.keys)
+                    new.values[:, :, : held.values.shape[2]].copy_(held.values)
+            self.cache.slot_positions.copy_(old.slot_positions)
+
+    def call(self, token, position):
+        """``Decoder.call`` on the smallest bucket that holds the call's positions."""
+        self.fit(self.at + self.tokens_per_call)
+        self.at += self.tokens_per_call
+        return super().call(token, position)
 
     def forward_chunk(self, tokens, positions, valid):
         """Logits for ``tokens`` [1, C] at ``positions`` [1, C] (``valid`` [C]: not padding)."""
@@ -293,8 +325,11 @@ class RingDecoder(Decoder):
         if start + length > self.max_len:
             held, verb = (f"{start} positions held + ", "exceed") if start else ("", "exceeds")
             raise ValueError(f"{held}a {length}-token prompt {verb} the cache's {self.max_len} positions")
+        self.at = start
+        self.fit(start + length)
         if start == 0:
             self.cache.reset()
+        self.at = start + length
         for first, positions, valid in self.chunks(length, ids.device, start):
             tokens = torch.zeros(1, self.chunk_size, dtype=ids.dtype, device=ids.device)
             tokens[:, : min(self.chunk_size, length - first)] = ids[:, first : first + self.chunk_size]
@@ -305,16 +340,26 @@ class RingDecoder(Decoder):
 
 @torch.no_grad()
 def context_sweep(
-    decoder: RingDecoder, lengths, steps: int, hf_default: bool = True, eager: bool = False
+    decoder: RingDecoder,
+    lengths,
+    steps: int,
+    hf_default: bool = True,
+    eager: bool = False,
+    bucketed: RingDecoder | None = None,
 ) -> list[dict]:
     """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled;
-    also not compiled if ``eager``) and, if ``hf_default``, on HF's default cache (what
-    ``generate`` builds: a ``DynamicCache``, whole-prompt prefill, eager), side by side; cache
-    bytes measured from the cache tensors."""
+    also not compiled if ``eager``), on ``bucketed`` (the same ring with length buckets) if
+    given, and, if ``hf_default``, on HF's default cache (what ``generate`` builds: a
+    ``DynamicCache``, whole-prompt prefill, eager), side by side; the cache's bytes, and what a
+    step reads of them (``cache_read_bytes``), from the cache tensors. Each decoder is compiled for
+    each length before it is timed (a bucket's first use compiles its programs)."""
     backend, model, rows = decoder.backend, decoder.model, []
 
     def ms_per_step(step, token, position):
         return 1e3 * time_fed(step, (token, position), sync=backend.sync, repeats=steps).median
+
+    def calls(ring):  # one decode call fed its own token, on the bucket that holds it
+        return lambda token, position: ring.call(token, position)[1:]
 
     def once(fn, *args, **kwargs):  # a prefill: timed once, its output kept
         return time_fn(fn, *args, sync=backend.sync, warmup=0, repeats=1, **kwargs)
@@ -323,17 +368,16 @@ def context_sweep(
     prompts = [
         torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device) for n in lengths
     ]
-    decoder.generate(prompts[0], 2)  # compiles the prefill chunk and the step: every length reuses them
+    rings = {"ring": decoder} | ({"buckets": bucketed} if bucketed is not None else {})
     for ids in tqdm(prompts, desc="contexts"):
-        length = ids.shape[1]
-        prefill = once(decoder.prefill, ids)
-        token, position = prefill.last
-        row = {
-            "context": length,
-            "ring prefill s": prefill.median,
-            "ring ms/token": ms_per_step(decoder.decode_step, token, position),
-            "ring cache bytes": cache_bytes(decoder.cache),
-        }
+        length, row = ids.shape[1], {"context": ids.shape[1]}
+        for name, ring in rings.items():
+            ring.generate(ids, steps + 1, stop_ids=())  # compiled for this length (its bucket's programs)
+            prefill = once(ring.prefill, ids)
+            row[f"{name} prefill s"] = prefill.median
+            row[f"{name} ms/token"] = ms_per_step(calls(ring), *prefill.last)
+            row[f"{name} cache bytes"] = cache_bytes(ring.cache)
+            row[f"{name} bytes read"] = cache_read_bytes(model, ring.cache)
         if eager:
             token, position = decoder.prefill(ids)
             row["ring eager ms/token"] = ms_per_step(decoder.step, token, position)
@@ -350,22 +394,27 @@ def context_sweep(
     return rows
 
 
-def plot_sweep(rows: list[dict]):
-    """Prefill time against prompt length, decode time per token against context length."""
+def plot_sweep(rows: list[dict], title: str):
+    """Prefill time against prompt length, decode time per token against context length, a line
+    per cache; ``title`` names the model, the device and the run."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     x = [r["context"] for r in rows]
+    labels = {
+        "ring": "ring, one buffer length, compiled",
+        "buckets": "ring, length buckets, compiled",
+        "HF": "HF default cache, eager",
+    }
     for ax, what, unit in ((axes[0], "prefill s", "prefill (s)"), (axes[1], "ms/token", "decode (ms per token)")):
-        for cache in ("ring", "HF"):
+        for cache, label in labels.items():
             if f"{cache} {what}" in rows[0]:
-                label = "ring cache, compiled" if cache == "ring" else "HF default cache, eager"
                 ax.plot(x, [r[f"{cache} {what}"] for r in rows], "o-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt length (tokens)" if what == "prefill s" else "context (tokens)")
         ax.set_ylabel(unit)
         ax.legend(fontsize=8)
-    fig.suptitle("measured in this run")
+    fig.suptitle(title)
     fig.tight_layout()
     return fig
 

@@ -12,7 +12,7 @@ import torch
 
 from .backend import Backend, get_backend
 from .bench import time_fn
-from .decode import cache_bytes
+from .decode import cache_read_bytes
 from .sources import V5E_BYTES_PER_S
 
 READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread
@@ -52,13 +52,15 @@ def _row_bytes(table) -> int:
 def step_bytes(model, cache=None) -> int:
     """Bytes one decode step reads, from the tensors as stored on the device: every parameter
     and buffer once (tied ones once; the main table whole, as the tied head multiplies by it),
-    except the per-layer table, which is only gathered from: one row of it; plus the cache."""
+    except the per-layer table, which is only gathered from: one row of it; plus the K and V
+    each attention layer reads (``decode.cache_read_bytes``: a buffer shared by several layers
+    is read by each)."""
     table = model.model.embed_tokens_per_layer
     every = _tensors(model)
     for key in _tensors(table):
         every.pop(key, None)
     weights = sum(t.numel() * t.element_size() for t in every.values())
-    return weights + _row_bytes(table) + (cache_bytes(cache) if cache is not None else 0)
+    return weights + _row_bytes(table) + (cache_read_bytes(model, cache) if cache is not None else 0)
 
 
 def columns(bytes_per_token: int, tok_s: float, bandwidth: float) -> dict:

@@ -32,6 +32,13 @@ MAX_LEN = 256  # notebook 07's cache positions: prompt and tokens with room to s
 KS = ((1, 4), (1, 2))  # notebook 07's K, elsewhere and on xla: each K is a compile, a minute or more on a CPU
 
 
+def measured_on(checkpoint) -> dict:
+    """What a row was measured on: the model's name, and whether it is Google's E2B (not the twin
+    or a synthetic checkpoint): only such rows, on a TPU, are charted beside the source's figures."""
+    name = "synthetic E2B" if checkpoint.synthetic else checkpoint.name
+    return {"model": name, "real_model": not (checkpoint.tiny or checkpoint.synthetic)}
+
+
 def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) -> dict:
     """The timing columns of every timed row: decode tok/s (the median of ``rates``, one per
     timed run), their spread (fastest over slowest: a busy machine shows here), and the
@@ -55,6 +62,8 @@ def modes_step(backend: Backend, results: Results, **options) -> list[dict]:
             MODES,
             row["mode"],
             backend=backend.name,
+            model="op stack",
+            real_model=backend.name == "tpu",  # the source's experiment: any op stack on a TPU
             ms=row["median_ms"],
             speedup_vs_eager=row["speedup_vs_eager"],
             source_speedup=sources.COMPILE_SPEEDUP if row["mode"] == "compile" else None,
@@ -63,7 +72,7 @@ def modes_step(backend: Backend, results: Results, **options) -> list[dict]:
 
 
 # --- 02 ----------------------------------------------------------------------------------------
-def record_loading(results: Results, backend: Backend, label: str, model, load_s: float, **extra) -> dict:
+def record_loading(results: Results, backend: Backend, checkpoint, label: str, model, load_s: float, **extra) -> dict:
     """The model's bytes by kind, as one row of the results table."""
     kinds = {}
     for row in ck.memory_report(model):
@@ -72,6 +81,7 @@ def record_loading(results: Results, backend: Backend, label: str, model, load_s
         LOADING,
         label,
         backend=backend.name,
+        **measured_on(checkpoint),
         load_s=load_s,
         device_bytes=sum(kinds.values()),
         bytes_by_kind=kinds,
@@ -80,7 +90,7 @@ def record_loading(results: Results, backend: Backend, label: str, model, load_s
 
 
 # --- 03 ----------------------------------------------------------------------------------------
-def record_baseline(results: Results, backend: Backend, measured: dict, model, context: int) -> dict:
+def record_baseline(results: Results, backend: Backend, checkpoint, measured: dict, model, context: int) -> dict:
     """Notebook 03's row (``measured``: what ``generate.measure`` returns), with the roofline:
     the weights as they are on the device, and HF's dynamic cache at ``context`` positions (its
     sliding layers keep a window)."""
@@ -90,6 +100,7 @@ def record_baseline(results: Results, backend: Backend, measured: dict, model, c
         BASELINE,
         "HF generate",
         backend=backend.name,
+        **measured_on(checkpoint),
         prefill_s=measured["prefill_s"],
         source_tok_s=sources.HF_GENERATE_TOK_S,
         **timed_columns(backend, measured["rates"], step),
@@ -122,6 +133,7 @@ def record_compiled(
         step,
         label,
         backend=decoder.backend.name,
+        **measured_on(series.checkpoint),
         same_tokens=bool(series.same_tokens(tokens)),
         compiles=compiled.graphs,
         first_call_s=compiled.seconds,
@@ -143,7 +155,7 @@ def payback_tokens(compile_s: float, before_tok_s: float | None, after_tok_s: fl
 
 
 # --- 07 ----------------------------------------------------------------------------------------
-VARIANTS = ("matvec loops", "int8 linears", "int4 linears", "4-bit head", "fused")  # notebook 07's, in order
+VARIANTS = ("matvec loops", "int4 bytes", "int4 linears", "4-bit head", "fused")  # notebook 07's, in order
 
 
 def measure_variants_in_place(
@@ -155,10 +167,11 @@ def measure_variants_in_place(
     of ``ks``; on a CPU, K = 1 with the one-row matmuls as loops inductor writes
     (``Backend.use_matvec_loops``), kept for the variants after it; then, at K = 1 (each is
     beside a K = 1 row: unrolled K times, a step that dequantizes every weight compiles for
-    minutes on a CPU), the linears as int8 codes, as packed int4, the main table and tied head in
-    4-bit too, and then q/k/v and gate/up fused into one matmul each. ``variants``: which of
-    ``VARIANTS`` are measured (each is a compile: minutes at full size on a CPU); the changes
-    before the last one asked for are made all the same, except int8, which int4 replaces. A row
+    minutes on a CPU), the linears as int4 codes a byte each, as packed int4 (in the backend's
+    form, ``Backend.int4_by_planes``), the main table and tied head in 4-bit too, and then
+    q/k/v and gate/up fused into one matmul each. ``variants``: which of ``VARIANTS`` are
+    measured (each is a compile: minutes at full size on a CPU); the changes before the last one
+    asked for are made all the same, except the bytes, which int4 replaces. A row
     each: same tokens as notebook 03, graphs compiled, seconds of the first call (its
     compilation), peak device memory where the backend counts it, decode tok/s (median of 3)
     and spread, weights on the device, and the roofline columns."""
@@ -181,6 +194,7 @@ def measure_variants_in_place(
         memory, verdict = backend.memory(), series.same_tokens(first.last)
         row = {
             "variant": variant,
+            **measured_on(series.checkpoint),
             "K": k,
             "same_tokens": bool(verdict),
             "verdict": str(verdict),
@@ -201,16 +215,22 @@ def measure_variants_in_place(
     if loops is not None and "matvec loops" in variants:
         run(f"4-bit table, {tail}", 1, loops)
     changes = {
-        "int8 linears": ("int8 linears", lambda: keep_linears_compressed(model, series.checkpoint, "int8")),
-        "int4 linears": ("int4 linears", lambda: keep_linears_compressed(model, series.checkpoint, "int4")),
+        "int4 bytes": (
+            "int4 codes a byte each",
+            lambda: keep_linears_compressed(model, series.checkpoint, "int4-bytes"),
+        ),
+        "int4 linears": (
+            "int4 linears",
+            lambda: keep_linears_compressed(model, series.checkpoint, "int4", backend.int4_by_planes),
+        ),
         "4-bit head": ("int4 linears + 4-bit head", lambda: keep_embed_in_4bit(model)),
         "fused": ("int4 linears + 4-bit head + fused q/k/v, gate/up", lambda: fuse_projections(model)),
     }
     last = max((VARIANTS.index(v) for v in variants), default=0)
     for name in VARIANTS[1 : last + 1]:
         label, change = changes[name]
-        if name == "int8 linears" and name not in variants:
-            continue  # int4 rebuilds the linears from the checkpoint: an unmeasured int8 is no step
+        if name == "int4 bytes" and name not in variants:
+            continue  # int4 rebuilds the linears from the checkpoint: unmeasured, this format is no step
         series.drop_reference_model()  # 9 GB at E2B beside the swap's reads and the compile (a verdict rebuilds it)
         change()
         if name in variants:
@@ -229,5 +249,7 @@ def record_variants(results: Results, backend: Backend, rows: list[dict]) -> lis
         "bytes_per_token",
         "GB_per_s",
         "pct_of_bw",
+        "model",
+        "real_model",
     )
     return [results.add(PAST, r["variant"], backend=backend.name, **{k: r[k] for k in keys}) for r in rows]

@@ -153,7 +153,7 @@ assert "linears (276)" in by_name  # the checkpoint's 276 packed linears
 # 06), K and V in int8.
 
 # %%
-v5e_hbm = 16 * 2**30
+v5e_hbm = helpers.sources.V5E_HBM_BYTES  # 15.75 GiB: what a v5e-1 reports it gives programs
 print(helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=v5e_hbm, where="an empty v5e-1"))
 try:
     helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
@@ -212,10 +212,10 @@ def bf16(report):
 
 assert not any(r["kind"] == "packed int4" for r in after_forward) and bf16(after_forward) > bf16(after_load)
 results = helpers.Results()
-helpers.steps.record_loading(results, backend, "compressed (default)", model, load_s)
+helpers.steps.record_loading(results, backend, checkpoint, "compressed (default)", model, load_s)
 default_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
 # One model on the device at a time. `del model` alone can leave it all held: compressed-tensors
-# binds forwards onto modules (reference cycles), so on a 16 GB v5e-1 the next load's preflight
+# binds forwards onto modules (reference cycles), so on a 15.75 GiB v5e-1 the next load's preflight
 # would refuse. `unload` empties the model's tensors, collects, and prints the device bytes.
 helpers.checkpoint.unload(model, backend)
 del model
@@ -233,7 +233,7 @@ print(table(dense))
 report = {r["what"]: r["count"] for r in helpers.checkpoint.compression_report(model)}
 print(report)
 assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0
-helpers.steps.record_loading(results, backend, "dequantize=True", model, load_s)
+helpers.steps.record_loading(results, backend, checkpoint, "dequantize=True", model, load_s)
 dense_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
 helpers.checkpoint.unload(model, backend)
 del model

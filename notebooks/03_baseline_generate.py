@@ -124,7 +124,9 @@ assert "<|turn>user\n" in tokenizer.decode(ids[0]) and "<|think|>" in thinking
 # step run as one program, but the sequence grows by one token per step: every step is a new
 # shape, so the first call compiles at every step, and only a second call of the same
 # length finds them all cached. Each of those compiles is a whole forward of the model (minutes
-# of E2B on a TPU in all), so defer-and-fuse runs only the first 8 tokens here.
+# of E2B on a TPU in all), so defer-and-fuse runs only the first 8 tokens here. Its tokens are
+# compared with eager's by the series' one verdict: two programs round differently, so the run
+# is teacher-forced through the eager model, each token its top choice or within 4 ulps of it.
 
 # %%
 calls = helpers.generate.first_and_second_call(model, tokenizer, ids, backend, new_tokens)
@@ -138,7 +140,7 @@ for mode, call in calls.items():
 counts = {f"{m}, first call": c["programs_first"] for m, c in calls.items() if c["programs_first"][0] is not None}
 fig = helpers.bench.step_plot(
     {f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
-    f"HF generate on {backend.name}: seconds per step",
+    f"HF generate, {checkpoint.name} on {backend.name}: seconds per step (this run)",
     counts or None,
 )
 tokens = calls["eager"]["tokens"]
@@ -203,7 +205,7 @@ print(
 assert measured["tokens"][:new_tokens] == tokens  # the same eager program again: equal lists
 results = helpers.Results()
 # this step's row, as the tour writes it: the roofline at the run's mean context
-helpers.steps.record_baseline(results, backend, measured, model, ids.shape[1] + timed_tokens // 2)
+helpers.steps.record_baseline(results, backend, checkpoint, measured, model, ids.shape[1] + timed_tokens // 2)
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.steps.BASELINE)
 
 # %% [markdown]

@@ -86,7 +86,8 @@ MAX_LEN = 256  # positions the static cache holds: prompt + new tokens must fit
 # ## Why `torch.compile` stops on the model as loaded
 # compressed-tensors wrapped the forward of every module (quantized forwards, then its
 # offloading layer after the first forward decompressed the weights). Dynamo cannot trace
-# through them with `fullgraph=True`: here is the error from this run.
+# through them: each is a graph break, which `fullgraph=True` makes an error. Here is the error
+# from this run.
 
 # %%
 import torch
@@ -136,6 +137,9 @@ helpers.show(helpers.decode.Decoder.step, helpers.decode.Decoder.generate)
 # `Decoder(model, backend, MAX_LEN, mode="reduce-overhead")` for CUDA graph replay.
 # It stops where `generate` stops, after the first stop id, checked once per readback
 # (every 16 tokens): no host round trip per token; `stop_ids=()` asks for an exact count.
+# "The same tokens" is the series' one verdict (`series.same_tokens`): a compiled step and HF's
+# eager `generate` are two programs that round differently, so the run is teacher-forced
+# through the checkpoint's reference model, each token its top choice or within 4 ulps of it.
 
 # %%
 torch._dynamo.reset()
@@ -180,11 +184,15 @@ assert sum(counts) > 1
 # reads. Inductor (CPU, GPU) writes in place by itself. PyTorch/XLA aliases a compiled graph's
 # input only when the graph marks it a buffer donor, which `Decoder.step` and the prefill do
 # through `Backend.donate`. On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, XLA dumps
-# what it compiles and the cell reads it (`helpers.programs`): per program, the cache buffers,
+# what it compiles (its HLO) and the cell reads it (`helpers.programs`): per program, the cache buffers,
 # how many are aliased, the bytes copied per call. On a TPU, TorchTPU 0.2.0's compile offers
-# no donation (its sources: a mutated input is functionalized, the program returns a new
-# buffer, and the tensor is pointed at it after the call), so there the step writes a fresh
-# cache every token: a path no machine building this course has run.
+# no donation mark (its sources: a mutated input is functionalized, the program returns a new
+# buffer, and the tensor is pointed at it after the call). So the hypothesis, which no machine
+# building this course could test: there the step writes a fresh cache every token, unless
+# XLA aliases it by itself. How a v5e-1 would test it: time the step at one fixed context with
+# caches of growing `max_len` (notebook 06 builds them). A step that writes its whole cache
+# slows as `max_len` grows by about twice the cache's bytes over the bandwidth; one that writes
+# in place slows only by the larger buffer the attention reads.
 
 # %%
 helpers.show(helpers.backend.Backend.donate)

@@ -96,6 +96,16 @@ rate_bf16_table = helpers.decode.timed_generate(decoder, ids, timed_tokens, 16)[
 # table exactly takes: its values are bf16(level x step) with steps finer than bf16 (others'
 # published measurements: one bf16 scale per group gives back only ~74% of the values), so
 # the exact 4-bit table keeps a float32 step per group: 4 bytes per 32 values instead of 2.
+#
+# And laid out for a TPU. Others measured on a v5e-1 that a gather of more than one row from an
+# int32 table whose rows are not a multiple of 128 words wide reads the whole table: 4.2 ms a
+# step for E2B's per-layer table, flat in the number of ids, against 0.06 ms padded; E2B's int4
+# build decoded at 85 tok/s unpadded and 150 padded (xbill9/gemma4-dev, `jev-tpu-v5e1/README.md`,
+# "The int4 tables must be 128 columns wide"; not measured here). A decode step gathers one row,
+# but notebook 07's K tokens per call gather K, and every prefill chunk gathers a row per token.
+# So each row here is one int32 row: its 1,120 words of codes, then its 280 float32 steps, then
+# zeros to 1,408 words (11 x 128), and one gather fetches both. Every byte figure counts the
+# padding.
 
 # %%
 from helpers.bench import fmt_bytes, table
@@ -104,27 +114,29 @@ e2b = {r["component"]: r for r in helpers.e2b.component_bytes(helpers.e2b.meta_m
 ple = e2b["embed_tokens_per_layer"]
 saved = ple["bf16_bytes"] - ple["int4_bytes"]
 saved_exact = ple["bf16_bytes"] - ple["int4_exact_bytes"]
+row_words = helpers.packed.table_row_words(ple["shape"][1])
+padding = ple["int4_exact_bytes"] - helpers.packed.int4_bytes(ple["bf16_bytes"] // 2, scale_bytes=4)
 print(
     f"E2B per-layer table {ple['shape']}: {ple['bf16_bytes']:,} B in bf16 -> {ple['int4_bytes']:,} B in int4"
-    f" with bf16 scales (saves {fmt_bytes(saved)}), {ple['int4_exact_bytes']:,} B with float32 steps, exact"
-    f" (saves {fmt_bytes(saved_exact)})"
+    f" with bf16 scales (saves {fmt_bytes(saved)}), {ple['int4_exact_bytes']:,} B with float32 steps in rows of"
+    f" {row_words:,} words, exact (saves {fmt_bytes(saved_exact)}; {fmt_bytes(padding)} of it padding)"
 )
-assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720 and saved_exact == 3_229_614_080
+assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720 and row_words % 128 == 0
 
 # %% [markdown]
 # ## What a step reads: the same before and after
 # **What we test:** the bytes one decode step reads at E2B, from the real configuration
 # (`e2b.step_figures`: every weight once, the tied head reading the main table whole, the
 # cache, and of the per-layer table only the current token's row, since a gather reads one
-# row). The row is 17,920 B in bf16 and 5,600 B in 4-bit with float32 steps: the two steps
-# read the same 4.56 GB to within a few kB, so they share one ceiling. What this notebook
-# saves is device memory, not bytes per step.
+# row). The row is 17,920 B in bf16 and 5,632 B in 4-bit (codes, float32 steps, padding): the
+# two steps read the same 4.57 GB to within a few kB, so they share one ceiling. What this
+# notebook saves is device memory, not bytes per step.
 
 # %%
 figures = {r["step"]: r for r in helpers.e2b.step_figures()}
 before, after = figures["04 compiled step"], figures["05 4-bit table"]
 cols = ple["shape"][1]
-row_bf16, row_int4 = cols * 2, helpers.packed.int4_bytes(cols, scale_bytes=helpers.packed.TABLE_SCALE_BYTES)
+row_bf16, row_int4 = cols * 2, row_words * 4
 print(
     f"one step reads {before['bytes_per_token']:,} B with the bf16 table, {after['bytes_per_token']:,} B with the"
     f" 4-bit one (a row: {row_bf16:,} B -> {row_int4:,} B); ceiling at 819 GB/s: {before['ceiling_tok_s']:.1f} and"
@@ -135,14 +147,25 @@ assert before["bytes_per_token"] - after["bytes_per_token"] == row_bf16 - row_in
 assert before["weights_on_device"] - after["weights_on_device"] == saved_exact
 
 # %% [markdown]
-# So the source's 31-33 -> 50 tok/s is not the bytes a step reads: both steps sit at a fifth
-# of the same ceiling (32 and 50 of 179 tok/s at 819 GB/s). Bytes do not explain it; the
-# program does, and only a profile of both steps on the TPU can say which part. Candidates to
-# look for there: a 4.7 GB bf16 table as a gather operand that XLA copies or lays out again
-# (a step-sized op where a row-sized one was meant), and a program at the edge of the 16 GB
-# (the source's compile peaked at 16.6-16.9 GB) that XLA fits by recomputing or moving
-# buffers; 3.23 GB freed takes it off that edge. Notebook 04's profile cell shows where one
-# step's time goes; run it before and after this swap on a TPU and compare the largest ops.
+# So the source's 31-33 -> 50 tok/s is not the bytes a step reads: both steps read the same
+# 4.57 GB, the source's at 18% and 28% of one ceiling (32 and 50 of 179 tok/s at 819 GB/s). The
+# gap has a size, though: 1/32 - 1/50 s a token is about what one more read and one write of the
+# bf16 per-layer table take at 819 GB/s (the cell below computes both). A hypothesis, not a
+# measurement: while the table lived in bf16, the program copied or laid it out again every
+# step (a gather operand that XLA relayouts, say), and the 4-bit table, 3.2 GB smaller, ended
+# that. How a v5e-1 would test it (a path no machine building this course has run): notebook
+# 04's profile cell, read for an op that moves about 4.7 GB a step with the bf16 table and none
+# with the 4-bit one; or tok/s against the table's size (a copy's time grows with the table, a
+# gather's does not).
+
+# %%
+gap_s = 1 / helpers.sources.COMPILED_STEP_TOK_S - 1 / helpers.sources.TABLE_4BIT_TOK_S
+copy_s = 2 * ple["bf16_bytes"] / helpers.sources.V5E_BYTES_PER_S
+print(
+    f"the source's steps: {1e3 / helpers.sources.COMPILED_STEP_TOK_S:.1f} and"
+    f" {1e3 / helpers.sources.TABLE_4BIT_TOK_S:.1f} ms, {1e3 * gap_s:.1f} ms apart; a read and a write of the"
+    f" {fmt_bytes(ple['bf16_bytes'])} bf16 table at 819 GB/s: {1e3 * copy_s:.1f} ms"
+)
 
 # %% [markdown]
 # ## The lookup, in 4-bit
@@ -263,7 +286,7 @@ print(
 
 # %% [markdown]
 # **What you should see:** the table exact on its grid; the same tokens and one compiled
-# step; at E2B scale 3.23 GB less on the device (3.38 GB with bf16 scales, the source's figure,
+# step; at E2B scale 3.22 GB less on the device (3.38 GB with bf16 scales, the source's figure,
 # which would not give Google's table back exactly), and the same bytes per step: a gather
 # reads one row either way. On the tiny twin the table is a few hundred kB and speed barely
 # moves. The main table in 4-bit keeps the tokens on the twin (its table is on the grid too);

@@ -131,7 +131,7 @@ ax.bar(x - 0.2, probs[top], 0.4, label="transformers' warped probability")
 ax.bar(x + 0.2, counts[top] / 2000, 0.4, label="share of 2,000 draws")
 ax.set_xticks(x, [repr(tokenizer.decode([int(t)])) for t in top], rotation=30)
 ax.set_ylabel("probability")
-ax.set_title("the first token, sampled on the device (measured in this run)")
+ax.set_title(f"the first token, sampled on the device: {checkpoint.name} on {backend.name}, this run")
 ax.legend()
 assert counts[probs == 0].sum() == 0  # what top-k and top-p remove is never drawn
 

@@ -62,8 +62,8 @@ def packed_table_twin(tmp_path_factory):
     table.scalar_embed_scale = 1.0
     packed, report = QTable.from_embedding(table, exact_only=True)
     tensors |= {
-        f"{key}.weight_packed": packed.packed,
-        f"{key}.weight_scale": packed.scales,
+        f"{key}.weight_packed": packed.packed.contiguous(),  # views of the table's laid-out rows
+        f"{key}.weight_scale": packed.scales.contiguous(),
         f"{key}.weight_shape": torch.tensor(table.weight.shape),
     }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})

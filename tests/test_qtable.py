@@ -14,7 +14,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbed
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, hub, series, twin
+from helpers import e2b, hub, packed, series, twin
 from helpers import generate as g
 from helpers import qtable as q
 
@@ -159,8 +159,8 @@ def test_a_table_with_steps_finer_than_bf16_keeps_float32_scales_and_every_row()
     with torch.no_grad():
         table.weight.copy_((levels * steps.repeat_interleave(32, 1)).to(torch.bfloat16))
     module, report = q.QTable.from_embedding(table, exact_only=True)
-    assert report["exact grid"] and report["scale dtype"] == "float32" and module.scales.dtype == torch.float32
-    assert report["bytes after"] == 64 * 256 // 2 + 64 * 256 // 32 * 4 == module.nbytes()
+    assert report["exact grid"] and module.scales.dtype == torch.float32
+    assert report["bytes after"] == 64 * 128 * 4 == module.nbytes()  # 32 words of codes, 8 of steps: 128 a row
     every = torch.arange(64)[None]
     assert torch.equal(module(every), table(every))
 
@@ -257,27 +257,33 @@ def test_a_decode_rows_product_by_plane_equals_the_matmul_of_the_unpacked_weight
         weight = q.dequantize(q.unpack_rows(packed), scales, dtype)
         expected = torch.nn.functional.linear(x.double(), weight.double()).to(dtype)
         for fn in (q.packed_linear, compiled):
-            got = fn(x, packed, scales, dtype)
-            assert got.shape == (1, 1, 48) and got.dtype == dtype
-            torch.testing.assert_close(got, expected)  # a code read from the wrong nibble is ~0.1 off
+            for by_planes in (True, False):  # a CPU's form, and the TPU's (the dequantized weight's matmul)
+                got = fn(x, packed, scales, dtype, by_planes)
+                assert got.shape == (1, 1, 48) and got.dtype == dtype
+                torch.testing.assert_close(got, expected)  # a code read from the wrong nibble is ~0.1 off
         many = torch.randn(3, 256, generator=generator).to(dtype)  # a prefill's rows: the matmul itself
         # equal: for several rows packed_linear is this very F.linear, of the same values
-        assert torch.equal(q.packed_linear(many, packed, scales, dtype), torch.nn.functional.linear(many, weight))
+        assert torch.equal(q.packed_linear(many, packed, scales, dtype, True), torch.nn.functional.linear(many, weight))
 
 
-def test_bytes_are_packed_int4_plus_bf16_group_scales():
+def test_each_row_is_its_codes_then_its_float32_steps_padded_to_128_words_for_a_tpus_gather():
     module, report = q.QTable.from_embedding(_grid_table())
-    assert report["bytes after"] == 64 * 96 // 2 + 64 * 96 // 32 * 2 == module.nbytes()
-    assert report["bytes before"] == 64 * 96 * 2
+    assert module.table.dtype == torch.int32 and module.table.shape == (64, 128) == (64, report["row words"])
+    assert report["bytes after"] == 64 * 128 * 4 == module.nbytes() and report["bytes before"] == 64 * 96 * 2
+    assert module.packed.shape == (64, 12) and module.scales.shape == (64, 3)  # views: 12 + 3 words, then zeros
+    assert (module.table[:, 15:] == 0).all()
+    assert packed.table_row_words(8960) == 1408 and packed.table_row_words(8960) % 128 == 0  # E2B's: 1,120 + 280
+    assert packed.table_bytes(262_144, 8960) == 262_144 * 1408 * 4 == 1_476_395_008  # the padding counted
 
 
 def test_e2b_saving_and_stepwise_bytes_match_the_reference_figures():
     steps = e2b.bytes_by_step()
     table = {s: parts["per-layer table"] for s, parts in steps.items()}
-    # packed codes and a float32 step per group of 32 (the export's steps are finer than bf16);
-    # with bf16 steps, the source's arithmetic, it would be 1,321,205,760 B, saving 3.38 GB
-    assert table["05 4-bit table"] == 262_144 * 8960 // 2 + 262_144 * 8960 // 32 * 4 == 1_468_006_400
-    assert table["04 compiled step"] - table["05 4-bit table"] == 3_229_614_080
+    # packed codes and a float32 step per group of 32 (the export's steps are finer than bf16), in
+    # rows padded to 1,408 words for a TPU's gather; with bf16 steps and no padding, the source's
+    # arithmetic, it would be 1,321,205,760 B, saving 3.38 GB
+    assert table["05 4-bit table"] == 262_144 * 1408 * 4 == 1_476_395_008
+    assert table["04 compiled step"] - table["05 4-bit table"] == 3_221_225_472
 
 
 def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compile(loaded):

@@ -178,8 +178,15 @@ def test_e2b_ring_cache_bytes_at_131328_positions():
     assert e2b.kv_cache_bytes(config, 131_328) == 2_420_637_696
     # the cache itself, allocated on the meta device with the defaults (chunk = the 512 window;
     # 131,328 is not a multiple of it)
-    cache = ring.RingCache(e2b.meta_model(config).to(torch.bfloat16), 131_328, config.sliding_window)
+    model = e2b.meta_model(config).to(torch.bfloat16)
+    cache = ring.RingCache(model, 131_328, config.sliding_window)
     assert d.cache_bytes(cache) == 813_170_688
+    # what a step reads: the 7 full layers each a full-length buffer (layers 19-34 read layer 14's),
+    # the 28 sliding ones a window: ~1.90 GB, from the tensors as from the configuration
+    full = 2 * 512 * 2 * 131_328  # K and V, one head of 512, bf16: 268,959,744 B a full layer
+    sliding = 2 * 256 * 2 * 512
+    assert d.cache_read_bytes(model, cache) == 7 * full + 28 * sliding == 1_897_398_272
+    assert e2b.kv_read_bytes(config, 131_328, ring=True) == 1_897_398_272 and 7 * full > 1.88e9
 
 
 def test_a_max_len_that_is_no_multiple_of_the_chunk_gives_the_no_cache_tokens(tiny, cpu):
