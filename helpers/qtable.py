@@ -205,13 +205,6 @@ class QTable(torch.nn.Module):
         rows[:, : self.words] = packed
         rows[:, self.words : self.words + self.groups] = scales.float().view(torch.int32)
 
-    def put(self, start: int, packed: torch.Tensor, scales: torch.Tensor) -> None:
-        """Write rows ``start``.. of the table: their codes, their steps as float32 bits, zeros after."""
-        rows = self.table[start : start + packed.shape[0]]
-        rows[:, : self.words] = packed
-        rows[:, self.words : self.words + self.groups] = scales.float().view(torch.int32)
-        rows[:, self.words + self.groups :] = 0
-
     @property
     def packed(self) -> torch.Tensor:
         return self.table[:, : self.words]

@@ -250,10 +250,14 @@ class RingDecoder(Decoder):
     def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, buckets=(), **compile_options):
         self.chunk_size = chunk_size or model.config.get_text_config().sliding_window
         self.buckets = sorted({*buckets, max_len})
-        if self.buckets[0] < self.chunk_size or self.buckets[-1] != max_len:
+        if self.buckets[0] < self.chunk_size:
+            name = "max_len" if self.buckets[0] == max_len else "bucket"
             raise ValueError(
-                f"buckets {sorted(buckets)} must lie between the chunk size {self.chunk_size} and {max_len}"
+                f"{name} {self.buckets[0]} must be at least the chunk size {self.chunk_size}: the padded "
+                "last chunk's positions wrap onto the first slots, which must be distinct"
             )
+        if self.buckets[-1] != max_len:
+            raise ValueError(f"buckets {sorted(buckets)} must be at most max_len {max_len}")
         self.at = 0
         super().__init__(model, backend, max_len, **compile_options)
 

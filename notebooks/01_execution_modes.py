@@ -28,7 +28,7 @@
 # - **defer-and-fuse**: ops are recorded, then run as one fused program when a result is
 #   needed (TorchTPU's `DEFER_AND_FUSE`, or PyTorch/XLA's lazy tensors);
 # - **`torch.compile`**: the whole function is traced ahead and compiled once per input shape:
-#   each compiled graph keeps guards, the conditions (shapes, dtypes) under which it is reused.
+#   each compiled graph keeps [guards](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#guard), the conditions (shapes, dtypes) under which it is reused.
 #
 # It runs on a TPU (TorchTPU), on PyTorch/XLA, on a GPU or on a laptop CPU; the first
 # output says which.

@@ -126,7 +126,7 @@ assert "<|turn>user\n" in tokenizer.decode(ids[0]) and "<|think|>" in thinking
 # length finds them all cached. Each of those compiles is a whole forward of the model (minutes
 # of E2B on a TPU in all), so defer-and-fuse runs only the first 8 tokens here. Its tokens are
 # compared with eager's by the series' one verdict: two programs round differently, so the run
-# is teacher-forced through the eager model, each token its top choice or within 4 ulps of it.
+# is [teacher-forced](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#teacher-forced) through the eager model, each token its top choice or within 4 [ulps](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ulp) of it.
 
 # %%
 calls = helpers.generate.first_and_second_call(model, tokenizer, ids, backend, new_tokens)

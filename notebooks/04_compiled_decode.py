@@ -86,7 +86,7 @@ MAX_LEN = 256  # positions the static cache holds: prompt + new tokens must fit
 # ## Why `torch.compile` stops on the model as loaded
 # compressed-tensors wrapped the forward of every module (quantized forwards, then its
 # offloading layer after the first forward decompressed the weights). Dynamo cannot trace
-# through them: each is a graph break, which `fullgraph=True` makes an error. Here is the error
+# through them: each is a [graph break](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#graph-break), which `fullgraph=True` makes an error. Here is the error
 # from this run.
 
 # %%
@@ -138,8 +138,8 @@ helpers.show(helpers.decode.Decoder.step, helpers.decode.Decoder.generate)
 # It stops where `generate` stops, after the first stop id, checked once per readback
 # (every 16 tokens): no host round trip per token; `stop_ids=()` asks for an exact count.
 # "The same tokens" is the series' one verdict (`series.same_tokens`): a compiled step and HF's
-# eager `generate` are two programs that round differently, so the run is teacher-forced
-# through the checkpoint's reference model, each token its top choice or within 4 ulps of it.
+# eager `generate` are two programs that round differently, so the run is [teacher-forced](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#teacher-forced)
+# through the checkpoint's reference model, each token its top choice or within 4 [ulps](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ulp) of it.
 
 # %%
 torch._dynamo.reset()
@@ -165,7 +165,7 @@ assert later.graphs == 0 and decoder.bucket(other.shape[1]) == decoder.bucket(id
 # %% [markdown]
 # ## The trap this avoids: transformers' `StaticCache` in a compiled step
 # Its sliding-window layers count tokens in a Python int and shift their buffer once full,
-# so under static shapes (what transformers picks on a TPU) every position is a new guard.
+# so under static shapes (what transformers picks on a TPU) every position is a new [guard](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#guard).
 # Counted in this run (dynamo's `eager` backend: the same recompiles, without the compile
 # cost):
 
@@ -179,14 +179,14 @@ assert sum(counts) > 1
 # ## Does the step write its cache in place?
 # **What we test:** a decode step writes one position of each KV cache buffer. A program that
 # writes in place reuses the cache's buffers for its outputs (in XLA's words: those inputs are
-# *aliased* to outputs, *donated*); one that does not writes a whole new copy of every buffer
+# *[aliased](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated)* to outputs, *donated*); one that does not writes a whole new copy of every buffer
 # per token: at E2B's 131,328 positions, 0.81 GB written per token on top of what the step
 # reads. Inductor (CPU, GPU) writes in place by itself. PyTorch/XLA aliases a compiled graph's
 # input only when the graph marks it a buffer donor, which `Decoder.step` and the prefill do
 # through `Backend.donate`. On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, XLA dumps
-# what it compiles (its HLO) and the cell reads it (`helpers.programs`): per program, the cache buffers,
+# what it compiles (its [HLO](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#hlo)) and the cell reads it (`helpers.programs`): per program, the cache buffers,
 # how many are aliased, the bytes copied per call. On a TPU, TorchTPU 0.2.0's compile offers
-# no donation mark (its sources: a mutated input is functionalized, the program returns a new
+# no donation mark (its sources: a mutated input is [functionalized](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#functionalized), the program returns a new
 # buffer, and the tensor is pointed at it after the call). So the hypothesis, which no machine
 # building this course could test: there the step writes a fresh cache every token, unless
 # XLA aliases it by itself. How a v5e-1 would test it: time the step at one fixed context with

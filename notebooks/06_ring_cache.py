@@ -311,7 +311,7 @@ assert big_compiled.graphs == 2 and big_timed.graphs == 0  # the timed runs comp
 # (`RingDecoder.fit`). The price is one compiled decode step, and prefill chunk, per bucket.
 #
 # **What we test:** a prompt that fills most of the first bucket, decoded on into the second:
-# the tokens of the one-length decoder above (the series' verdict, teacher-forced through the
+# the tokens of the one-length decoder above (the series' verdict, [teacher-forced](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#teacher-forced) through the
 # model itself: both decoders run it), three programs compiled (the first bucket's chunk and
 # step, the second's step), and what a step reads in each bucket (`decode.cache_read_bytes`).
 

@@ -142,7 +142,7 @@ fig = helpers.bench.ceiling_chart(
 # reads it again (the grey bars are the source's measured figures; the ceilings are computed).
 
 # %% [markdown]
-# ## Why decode is bound by bytes, not by compute: the ridge point
+# ## Why decode is bound by bytes, not by compute: the [ridge point](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ridge-point)
 # **What we test:** at batch 1 a step does one multiply-add per weight it reads (each linear,
 # and the head over the main table), 2 FLOPs per weight: in bf16, one FLOP per byte read. A
 # v5e does 197 TFLOP/s in bf16 and reads 819 GB/s (Google's published figures): below 240
@@ -255,7 +255,7 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07, {series.checkpoint.name} 
 # >
 # > At E2B's shapes, read from XLA's CPU compiler by `benchmarks/xla_programs.py` (2026-12-05,
 # > output in `benchmarks/`; zero weights of the real shapes, a program does not depend on the
-# > values): every cache buffer of every program aliased (30 of 30, nothing copied per call); the
+# > values): every cache buffer of every program [aliased](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated) (30 of 30, nothing copied per call); the
 # > decode step's inputs 9.26 GB (notebook 04), 6.03 GB (05, 4-bit table), 3.33 GB (int4
 # > linears), 2.76 GB (+ 4-bit head). The CPU compiler computes bf16 matmuls in float32 and adds
 # > float32 copies of the bf16 weights, 2.26 GB in a step and 7.51 GB in a prefill, which a TPU's
@@ -269,7 +269,7 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07, {series.checkpoint.name} 
 # > compiler does with them is the question to ask of its own dump.
 #
 # **What you should see:** the same tokens and two compilations everywhere. On a CPU, K > 1
-# saves the per-call overhead (dynamo's guards, the launch), and the matvec loops row is ahead
+# saves the per-call overhead (dynamo's [guards](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#guard), the launch), and the matvec loops row is ahead
 # of the K = 1 row above it: the same bytes, read faster (`benchmarks/decode.py` measures it on
 # a model large enough for the bytes to dominate, which the tiny twin is not). The compressed
 # linears read fewer bytes, dequantized inside those same kernels, but on a CPU of a few cores

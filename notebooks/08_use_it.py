@@ -89,7 +89,7 @@ MAX_LEN = 256 if checkpoint.tiny else 8192  # the chat's context: the full layer
 # ## Sampling inside the compiled step
 # **What we test:** transformers' `GenerationConfig` names (`do_sample`, `temperature`,
 # `top_k`, `top_p`) run by its own warpers, in `generate`'s order, on the device; one draw per
-# token by the Gumbel-max trick: the argmax of the warped scores plus noise that is a fixed
+# token by the [Gumbel-max](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#gumbel-max) trick: the argmax of the warped scores plus noise that is a fixed
 # function of (seed, position). No generator state lives in the compiled program, so a new
 # seed is a new input, not a recompile, and one seed gives the same tokens twice.
 

@@ -45,3 +45,31 @@ def test_every_exercise_has_its_solution_collapsed_under_it_and_runs_with_the_no
         assert solution.cell_type == "code" and solution.metadata.get("tags") == ["solution"]
         assert solution.metadata.get("cellView") == "form" and solution.metadata["jupyter"]["source_hidden"]
         assert solution.source.startswith(f"# @title Solution {n} (open it after you predicted)")
+
+
+GLOSSARY_TERMS = {  # the glossary's entries (docs/glossary.md), as the notebooks write them
+    "guard": r"\bguards?\b",
+    "graph-break": r"\bgraph breaks?\b",
+    "functionalized": r"\bfunctionali[sz]ed\b",
+    "aliased-donated": r"\b(aliased|donated|donation|donor)\b",
+    "hlo": r"\bHLO\b",
+    "teacher-forced": r"\bteacher[- ]forc(ed|ing)\b",
+    "ulp": r"\bulps?\b",
+    "gumbel-max": r"\bGumbel-max\b",
+    "ridge-point": r"\bridge point\b",
+}
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_the_first_use_of_each_glossary_term_links_to_its_entry(source):
+    import re
+
+    from helpers import course
+
+    text = "\n".join(c.source for c in jupytext.read(source).cells if c.cell_type == "markdown")
+    for anchor, pattern in GLOSSARY_TERMS.items():
+        first = re.search(pattern, text, 0 if anchor == "hlo" else re.I)
+        if first is not None:
+            assert text[first.end() : first.end() + 2] == "](" and text[first.start() - 1] == "[", (anchor, source.name)
+            assert text[first.end() + 2 :].startswith(course.glossary_url(anchor) + ")"), (anchor, source.name)
+    assert course.GLOSSARY.exists()

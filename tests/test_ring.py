@@ -204,6 +204,10 @@ def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(t
         ring.RingDecoder(tiny, cpu, max_len=(W + 1) * 4, chunk_size=W + 1)
     with pytest.raises(ValueError, match="max_len 12 must be at least the chunk size 16"):
         ring.RingDecoder(tiny, cpu, max_len=12, chunk_size=16)
+    with pytest.raises(ValueError, match="bucket 8 must be at least the chunk size 16"):
+        ring.RingDecoder(tiny, cpu, max_len=64, chunk_size=16, buckets=(8, 32))
+    with pytest.raises(ValueError, match="buckets \\[32, 128\\] must be at most max_len 64"):
+        ring.RingDecoder(tiny, cpu, max_len=64, chunk_size=16, buckets=(32, 128))
     decoder = ring.RingDecoder(tiny, cpu, max_len=64, chunk_size=16)
     with pytest.raises(ValueError, match="prompt 60 \\+ 5 new tokens exceed the cache's 64 positions"):
         decoder.generate(torch.zeros(1, 60, dtype=torch.long), 5)

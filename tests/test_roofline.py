@@ -14,7 +14,7 @@ import torch
 import helpers
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, fused, qlinear, roofline
+from helpers import e2b, fused, packed, qlinear, roofline
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,8 @@ def test_step_bytes_counts_each_tensor_once_one_row_of_the_gathered_table_and_th
     every = {id(t): t for t in [*model.parameters(), *model.buffers()]}
     in_table = {id(t) for t in [*table.parameters(), *table.buffers()]}
     whole = sum(t.numel() * t.element_size() for k, t in every.items() if k not in in_table)
-    row = table.packed.shape[1] * 4 + table.scales.shape[1] * table.scales.element_size()  # a packed row, its scales
+    row = packed.table_row_words(table.embedding_dim) * 4  # one packed row: codes, steps, padding to 128 words
+    assert row % (packed.TPU_ROW_WORDS * 4) == 0 and row > table.words * 4 + table.groups * 4
     read = d.cache_read_bytes(model, decoder.cache)  # each layer reads its buffers or its owner's
     assert read > d.cache_bytes(decoder.cache)  # K/V-sharing layers read what others hold
     assert roofline.step_bytes(model, decoder.cache) == whole + row + read

@@ -1,0 +1,85 @@
+"""Where a decode step's time goes at E2B's size: notebook 04's compiled step against HF's own
+recipe (``generate`` with its static cache and the forward compiled), side by side in one run on
+the synthetic E2B (``helpers.synthetic``: the real shapes, random weights), each profiled over
+the same count of steps with torch.profiler: the ops and kernels with the most time of their
+own, their counts, and each loop's tok/s.
+
+    python benchmarks/step_profile.py [--steps 16] [--rows 15] [--backend cpu|cuda]
+
+Both run the model as notebook 04 leaves it (decompressed, compressed-tensors' wrappers
+stripped, bf16). HF's recipe is timed from its streamer's per-token times over the same steps.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import helpers
+from helpers import decode, hub
+from helpers.generate import StepStreamer, compiled_forward
+from helpers.sampling import greedy_config
+from helpers.series import load_for_series
+from helpers.synthetic import SYNTHETIC
+
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--steps", type=int, default=16, help="decode steps profiled per loop")
+parser.add_argument("--rows", type=int, default=15, help="rows of each profile table")
+parser.add_argument("--backend", help="cpu or cuda (default: detected)")
+parser.add_argument("--max-len", type=int, default=256)
+args = parser.parse_args()
+
+os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
+backend = helpers.get_backend(args.backend)
+print(backend.describe())
+print(hub.choose_checkpoint(backend))
+checkpoint, model, tokenizer, ids = load_for_series(backend)
+with torch.no_grad():
+    model(ids)  # the first forward decompresses the weights
+decode.strip_compressed_wrappers(model)
+activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.name == "cuda" else [])
+sort = "self_cuda_time_total" if backend.name == "cuda" else "self_cpu_time_total"
+tokens = args.steps + 1
+
+
+def hf_run():
+    config = greedy_config(model, tokens, stop=False)
+    config.update(cache_implementation="static")
+    streamer = StepStreamer(tokenizer, backend)
+    with torch.no_grad():
+        model.generate(ids, generation_config=config, streamer=streamer)
+    return streamer
+
+
+def report(name: str, prof, seconds: list[float]):
+    per_token = sorted(seconds)[len(seconds) // 2]
+    print(f"\n== {name}: {1 / per_token:.2f} tok/s (median of {len(seconds)} steps)")
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+
+
+with compiled_forward(model):
+    start = time.perf_counter()
+    hf_run()  # compiles the forward
+    print(f"HF's recipe compiled in {time.perf_counter() - start:.0f} s")
+    with profile(activities=activities) as hf_prof:
+        streamer = hf_run()
+    hf_seconds = streamer.step_seconds[1:]  # after the prefill's token
+torch._dynamo.reset()
+
+decoder = decode.Decoder(model, backend, args.max_len)
+start = time.perf_counter()
+decoder.generate(ids, 2)  # compiles the prefill bucket and the step
+print(f"notebook 04's step compiled in {time.perf_counter() - start:.0f} s")
+token, position = decoder.prefill(ids)
+ours = []
+with profile(activities=activities) as our_prof:
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        _, token, position = decoder.call(token, position)
+        token.tolist()  # on the host, as generate's streamer has it
+        ours.append(time.perf_counter() - begin)
+
+report("HF generate, static cache, forward compiled", hf_prof, hf_seconds)
+report("notebook 04's compiled step", our_prof, ours)
