@@ -20,6 +20,7 @@ import warnings
 from typing import Callable
 
 import torch
+import torch._inductor.config as inductor_config
 
 from . import tpu_scan
 from .programs import AUDIT_VAR, enable_dump
@@ -112,7 +113,9 @@ class Backend:
     Args: ``name``, one of ``BACKENDS`` (``get_backend`` checks it is available first).
     Attributes: ``name``; ``device``, the ``torch.device`` tensors go to; ``modes``, the
     execution modes it offers. ``memory()`` returns ``{"in_use", "peak"}`` bytes or None;
-    ``compile_counter()`` yields a ``CompileCount`` filled when the block ends."""
+    ``compile_counter()`` yields a ``CompileCount`` filled when the block ends. A ``cpu``
+    backend sets inductor's ``cpp.dynamic_threads`` for the process (kernels that read the thread
+    count when they run)."""
 
     def __init__(self, name: str):
         self.name = name
@@ -129,6 +132,12 @@ class Backend:
             self._sync_waits = os.environ["PJRT_DEVICE"] == "CPU"
         else:
             self.device = torch.device(name)
+        if name == "cpu":
+            # inductor's CPU kernels read the thread count when they run instead of baking in
+            # today's (a setting of inductor's module, for the whole process): the same kernels
+            # for one thread (a test worker) and for the machine's default (a reader), so one
+            # compile cache serves both
+            inductor_config.cpp.dynamic_threads = True
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, device={self.device})"

@@ -6,7 +6,6 @@ The source study is "PyTorch on TPU: Hands On With Colab": Gemma 4 E2B (4-bit QA
 PyTorch on one Colab TPU v5e-1 (16 GB of HBM on Google's page), one optimization at a time.
 """
 
-SOURCE = "the source study, TPU v5e-1"
 # Notebook 01: on an op stack, torch.compile ran ">98x" faster than eager.
 COMPILE_SPEEDUP = 98
 # Decode tokens/s of each step, batch 1.

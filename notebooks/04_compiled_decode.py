@@ -223,14 +223,16 @@ else:
 # the 131,328-position ring's included. On a TPU, look for the same in TorchTPU's
 # program: a step whose outputs include a whole new cache is copying it.
 #
-# The `s64_ops` column is not 0, and cannot be from PyTorch: its index ops (`index_copy_`, which
-# writes the cache, `gather`, `embedding`) take int64 indices, so the positions, the masks
-# built from them and the ids stay 64-bit. A TPU emulates each such op in 32-bit pairs; what
-# matters is their size. At E2B the largest is a mask: 8,192 values (`[1, 1, 32, 256]`) in the
-# greedy programs of notebooks 04, 05 and 07, 81,920 (`[128, 640]`) in the ring's prefill chunk
-# of 128: no 64-bit work over a table row or the vocabulary there (the 4-bit unpack and the
-# ring's 131,328-position mask are 32-bit, as is the sampling noise; the xla job tests them). PyTorch/XLA's `XLA_USE_32BIT_LONG=1` would make them all 32-bit; torch_xla 2.9 crashed
-# with it on this course's steps.
+# > **Aside: 64-bit integer ops in XLA's programs** (PyTorch/XLA readers; a TPU reader may skip
+# > it). The `s64_ops` column is not 0, and cannot be from PyTorch: its index ops (`index_copy_`,
+# > which writes the cache, `gather`, `embedding`) take int64 indices, so the positions, the
+# > masks built from them and the ids stay 64-bit. A TPU emulates each such op in 32-bit pairs;
+# > what matters is their size. At E2B the largest is a mask: 8,192 values (`[1, 1, 32, 256]`) in
+# > the greedy programs of notebooks 04, 05 and 07, 81,920 (`[128, 640]`) in the ring's prefill
+# > chunk of 128: no 64-bit work over a table row or the vocabulary there (the 4-bit unpack and
+# > the ring's 131,328-position mask are 32-bit, as is the sampling noise; the xla job tests
+# > them). PyTorch/XLA's `XLA_USE_32BIT_LONG=1` would make them all 32-bit; torch_xla 2.9 crashed
+# > with it on this course's steps.
 
 # %% [markdown]
 # ## Where a step's time goes: a profile

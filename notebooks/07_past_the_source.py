@@ -276,7 +276,10 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07, {series.checkpoint.name} 
 # turning codes into floats is work the cores pay for, int4's unpack most: their % of the
 # bandwidth falls even where their tok/s rises. Fusing reads the same bytes in fewer, larger
 # matmuls: it saves launches and reads each input once, but whether that pays depends on the
-# backend's matmuls; read its row against the one before it, measured above in this run. On a
+# backend's matmuls; read its row against the one before it, measured above in this run. The
+# twin's 4-bit head adds bytes where E2B's saves them: a 4-bit row is padded to 128 words for a
+# TPU's gather (notebook 05), and the twin's 64-wide row is 10 words of codes and steps, so its
+# padded table is larger than its bf16 one; E2B's 1,536-wide row is 240 words, padded to 256. On a
 # v5e-1 (a path no machine building this course has run) look for K > 1 ahead of K = 1 by the
 # per-call dispatch it saves: not by readback, since K = 1 already reads tokens back once per
 # 16.

@@ -4,7 +4,9 @@ import sys
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 from conftest import needs_xla
+from torch._dynamo.utils import counters
 
 import helpers
 from helpers.backend import BACKENDS, MODES, BackendError, get_backend
@@ -67,6 +69,24 @@ def test_compile_counter_counts_new_shapes_only(backend):
         del out
         counts.append(count.graphs)
     assert counts == [1, 0, 1, 0, 1]
+
+
+def test_a_cpu_kernel_compiled_under_one_thread_count_serves_another():
+    """The cpu backend's inductor kernels read the thread count when they run, so a program
+    compiled with a test worker's one thread is found in the compile cache by a reader's default."""
+    cpu = get_backend("cpu")
+    assert inductor_config.cpp.dynamic_threads
+    x, threads, outputs = torch.ones(64, 64), torch.get_num_threads(), []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            torch._dynamo.reset()  # dynamo forgets; inductor's cache on disk stays
+            counters.clear()
+            outputs.append(cpu.compile(helpers.op_stack)(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+    torch.testing.assert_close(*outputs)  # two thread counts: summed in another order, within float32's tolerance
 
 
 def test_every_mode_computes_the_same_numbers(backend):
