@@ -2,9 +2,12 @@
 recipe (``generate`` with its static cache and the forward compiled), side by side in one run on
 the synthetic E2B (``helpers.synthetic``: the real shapes, random weights), each profiled over
 the same count of steps with torch.profiler: the ops and kernels with the most time of their
-own, their counts, and each loop's tok/s.
+own, their counts, and each loop's tok/s. Notebook 04's step runs twice: with the 256-position
+cache it was measured with, and with its cache sized to the run as HF sizes its own
+(``decode.cache_length``: prompt + tokens, rounded up to a bucket), since a step's attention
+reads its whole buffer.
 
-    python benchmarks/step_profile.py [--steps 16] [--rows 15] [--backend cpu|cuda]
+    python benchmarks/step_profile.py [--steps 16] [--rows 15] [--max-len 256 64] [--backend cpu|cuda]
 
 Both run the model as notebook 04 leaves it (decompressed, compressed-tensors' wrappers
 stripped, bf16). HF's recipe is timed from its streamer's per-token times over the same steps.
@@ -28,7 +31,9 @@ parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=16, help="decode steps profiled per loop")
 parser.add_argument("--rows", type=int, default=15, help="rows of each profile table")
 parser.add_argument("--backend", help="cpu or cuda (default: detected)")
-parser.add_argument("--max-len", type=int, default=256)
+parser.add_argument(
+    "--max-len", type=int, nargs="*", help="cache lengths of notebook 04's step (default: 256, then the run's bucket)"
+)
 args = parser.parse_args()
 
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
@@ -68,18 +73,22 @@ with compiled_forward(model):
     hf_seconds = streamer.step_seconds[1:]  # after the prefill's token
 torch._dynamo.reset()
 
-decoder = decode.Decoder(model, backend, args.max_len)
-start = time.perf_counter()
-decoder.generate(ids, 2)  # compiles the prefill bucket and the step
-print(f"notebook 04's step compiled in {time.perf_counter() - start:.0f} s")
-token, position = decoder.prefill(ids)
-ours = []
-with profile(activities=activities) as our_prof:
-    for _ in range(args.steps):
-        begin = time.perf_counter()
-        _, token, position = decoder.call(token, position)
-        token.tolist()  # on the host, as generate's streamer has it
-        ours.append(time.perf_counter() - begin)
-
 report("HF generate, static cache, forward compiled", hf_prof, hf_seconds)
-report("notebook 04's compiled step", our_prof, ours)
+print(f"HF's static cache holds {ids.shape[1] + tokens} positions: the prompt and the tokens asked for")
+# notebook 04's step with the cache it was measured with, then sized to the run as HF sizes its own
+for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens)):
+    torch._dynamo.reset()
+    decoder = decode.Decoder(model, backend, max_len)
+    start = time.perf_counter()
+    decoder.generate(ids, 2)  # compiles the prefill bucket and the step
+    print(f"\nnotebook 04's step, {max_len} positions, compiled in {time.perf_counter() - start:.0f} s")
+    token, position = decoder.prefill(ids)
+    ours = []
+    with profile(activities=activities) as our_prof:
+        for _ in range(args.steps):
+            begin = time.perf_counter()
+            _, token, position = decoder.call(token, position)
+            token.tolist()  # on the host, as generate's streamer has it
+            ours.append(time.perf_counter() - begin)
+    report(f"notebook 04's compiled step, a static cache of {max_len} positions", our_prof, ours)
+    del decoder

@@ -18,6 +18,14 @@ from .sampling import Sampler, Stops, stop_ids, until_stop
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
+def cache_length(positions: int) -> int:
+    """A static cache sized to a run of ``positions`` (prompt + new tokens): the smallest of
+    ``PREFILL_BUCKETS`` that holds them (beyond the largest, ``positions`` itself). A step reads
+    its whole buffer, so every position past the run's is read for nothing; a bucket, not the
+    exact length, so runs of similar length share one compiled step."""
+    return next((size for size in PREFILL_BUCKETS if size >= positions), positions)
+
+
 def strip_compressed_wrappers(model) -> dict:
     """Make the model plain again with compressed-tensors' own API: decompress the weights once,
     in place (if the first forward has not yet), unwrap every quantized forward and drop the
@@ -207,6 +215,7 @@ class Decoder:
         set_length(self.cache, length)
         return token, torch.tensor([[length]], device=ids.device)
 
+    @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
     def call(self, token, position):
         """One compiled call: ``decode_step`` (one token), or with ``tokens_per_call`` K > 1
         ``decode_steps`` (notebook 07: K tokens in one program). Returns the tokens it made [1, K]

@@ -279,6 +279,7 @@ class RingDecoder(Decoder):
                     new.values[:, :, : held.values.shape[2]].copy_(held.values)
             self.cache.slot_positions.copy_(old.slot_positions)
 
+    @torch.no_grad()
     def call(self, token, position):
         """``Decoder.call`` on the smallest bucket that holds the call's positions."""
         self.fit(self.at + self.tokens_per_call)

@@ -147,3 +147,7 @@ def test_the_prefill_runs_the_head_on_the_last_real_position_only(setup):
     finally:
         hook.remove()
     assert rows == [1] and padded.shape[1] > 1 and first.item() == tokens[0]
+
+
+def test_a_static_cache_is_sized_to_the_run_rounded_up_to_a_bucket():
+    assert [d.cache_length(n) for n in (1, 16, 17, 37, 148, 4096, 5000)] == [16, 16, 32, 64, 256, 4096, 5000]
