@@ -195,9 +195,9 @@ class Decoder:
 
     def bucket(self, length: int) -> int:
         """The padded prefill length: the smallest bucket that holds the prompt."""
-        for size in PREFILL_BUCKETS:
-            if length <= size <= self.max_len:
-                return size
+        size = cache_length(length)
+        if size in PREFILL_BUCKETS and size <= self.max_len:
+            return size
         raise ValueError(f"a {length}-token prompt needs more than the cache's {self.max_len} positions")
 
     @torch.no_grad()
