@@ -26,12 +26,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import helpers  # noqa: E402
-from helpers import decode, roofline, sources  # noqa: E402
-from helpers.bench import fmt_bytes, run_dir, table, time_fed  # noqa: E402
+from helpers import decode, e2b, roofline  # noqa: E402
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
+from helpers.results import run_dir  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 from helpers.series import load_for_series  # noqa: E402
 from helpers.synthetic import SYNTHETIC  # noqa: E402
+from helpers.tables import fmt_bytes, table
+from helpers.timing import time_fed
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--contexts", type=int, nargs="+", default=[2_048, 16_384, 131_000])
@@ -46,7 +48,7 @@ backend = helpers.get_backend(args.backend)
 print(backend.describe())
 checkpoint, model, tokenizer, ids = load_for_series(backend)
 print(checkpoint)
-max_len = sources.CONTEXT if not checkpoint.tiny else sources.CONTEXT // 64
+max_len = e2b.CONTEXT if not checkpoint.tiny else e2b.CONTEXT // 64
 if max(args.contexts) > max_len:
     parser.error(f"contexts {args.contexts} must fit the ring's {max_len:,} positions")
 with torch.no_grad():

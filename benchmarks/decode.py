@@ -26,10 +26,11 @@ import helpers
 from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import e2b, roofline, sampling, twin
-from helpers.bench import table, time_fn
 from helpers.fused import fuse_projections
 from helpers.generate import compiled_forward
 from helpers.qlinear import QLinear
+from helpers.tables import table
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=64)

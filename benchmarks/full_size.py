@@ -2,7 +2,7 @@
 with Gemma 4 E2B's real shapes, tensor names, dtypes and file set (``helpers.synthetic``: random
 weights, so the tokens mean nothing; the bytes, the times and the programs are E2B's).
 
-    python benchmarks/full_size.py [--backend cpu|cuda] [--tokens 32] [--variants ...] [--run-dir runs/full_size]
+    python benchmarks/full_size.py [--backend cpu|cuda] [--tokens 32] [--variants ...] [--until 07] [--run-dir runs/full_size]
 
 One row per step (07: per variant): seconds per phase (load, grid recovery, first call, which
 compiles, prefill), peak host memory of the process during the step, bytes on the device
@@ -34,13 +34,15 @@ import torch  # noqa: E402
 
 import helpers  # noqa: E402
 from helpers import checkpoint as ck  # noqa: E402
-from helpers import decode, hub, roofline, sources, steps  # noqa: E402
-from helpers.bench import Results, fmt_bytes, host_peak_bytes, reset_host_peak, run_dir, table, time_fed, time_fn  # noqa: E402
-from helpers.generate import compiled_forward, measure, save_reference  # noqa: E402
+from helpers import decode, e2b, hub, roofline, sources, steps  # noqa: E402
+from helpers.generate import compiled_forward, measure  # noqa: E402
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
+from helpers.results import Results, run_dir  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
-from helpers.series import Series, load_for_series  # noqa: E402
+from helpers.series import Series, load_for_series, save_reference  # noqa: E402
 from helpers.synthetic import SYNTHETIC  # noqa: E402
+from helpers.tables import fmt_bytes, table
+from helpers.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="cpu or cuda (default: detected, or $HELPERS_BACKEND)")
@@ -52,6 +54,9 @@ parser.add_argument(
     help=f"notebook 07's variants to measure, of {steps.VARIANTS} (each is a compile: minutes on a CPU)",
 )
 parser.add_argument("--ks", type=int, nargs="*", default=[], help="notebook 07's K tokens per call to measure")
+parser.add_argument(
+    "--until", choices=("04", "05", "06", "07"), default="07", help="the last notebook to run (the table ends there)"
+)
 parser.add_argument("--run-dir", default="runs/full_size")
 args = parser.parse_args()
 
@@ -106,7 +111,7 @@ step = Step(steps.LOADING)
 with step.phase("load"):
     checkpoint, model, tokenizer, ids = load_for_series(backend)
 step.done(device_bytes=sum(r["bytes"] for r in ck.memory_report(model)), prompt_tokens=ids.shape[1])
-n = args.tokens or ck.generation_length(backend)
+n = args.tokens or backend.generation_length
 
 # --- 03: HF generate, eager; its tokens are the reference -----------------------------------
 step = Step(steps.BASELINE)
@@ -138,7 +143,7 @@ def compiled(step: Step, name: str, label: str, decoder, source_tok_s: float) ->
 
 
 # --- 04: one compiled decode step, beside HF's own compiled recipe -----------------------------
-step = Step("03 HF static cache + compiled forward")
+step = Step(f"{steps.BASELINE}, static cache + compiled forward")
 with torch.no_grad():
     model(ids)  # the first forward decompresses the weights, as generate's did
 decode.strip_compressed_wrappers(model)
@@ -153,84 +158,101 @@ hf_row = step.done(
 )
 torch._dynamo.reset()
 
-max_len = 256
+max_len = decode.cache_length(ids.shape[1] + n)  # sized to the run, as notebook 04 sizes it
 step = Step(steps.COMPILED)
 decoder = decode.Decoder(model, backend, max_len)
 step.done(**compiled(step, steps.COMPILED, "compiled step", decoder, sources.COMPILED_STEP_TOK_S))
 del decoder
 torch._dynamo.reset()
 
+
+def ran(notebook: str) -> bool:
+    """Whether ``--until`` reaches ``notebook``."""
+    return notebook <= args.until
+
+
+sweep = []  # 06's decode rates against context
 # --- 05: the per-layer table in 4-bit ---------------------------------------------------------
-step = Step(steps.TABLE)
-series.drop_reference_model()  # 9 GB that the grid recovery's working set needs more (rebuilt for the verdict)
-with step.phase("grid_recovery"):
-    series.table = keep_table_in_4bit(model, checkpoint)
-decoder = decode.Decoder(model, backend, max_len)
-step.done(**compiled(step, steps.TABLE, "4-bit table", decoder, sources.TABLE_4BIT_TOK_S))
-del decoder
-torch._dynamo.reset()
+if ran("05"):
+    step = Step(steps.TABLE)
+    series.drop_reference_model()  # 9 GB that the grid recovery's working set needs more (rebuilt for the verdict)
+    with step.phase("grid_recovery"):
+        series.table = keep_table_in_4bit(model, checkpoint)
+    decoder = decode.Decoder(model, backend, max_len)
+    step.done(**compiled(step, steps.TABLE, "4-bit table", decoder, sources.TABLE_4BIT_TOK_S))
+    del decoder
+    torch._dynamo.reset()
+
 
 # --- 06: the ring at the source's context, a prefill of 4 windows, tok/s against context ------
-series.drop_reference_model()  # 9 GB beside the ring's compile at 131,328 positions (25 GB peak measured with it)
-step = Step(steps.RING)
-print("attention:", group_query_heads(model), "->", model.config._attn_implementation)  # as notebook 06, kept for 07
-context = sources.CONTEXT if not checkpoint.tiny else sources.CONTEXT // 64
-with step.phase("allocate"):
-    ring = RingDecoder(model, backend, max_len=context)
-tokens, count, verdict = first_call(step, ring)
-series.drop_reference_model()  # rebuilt by the verdict: 9 GB beside the prefills (22.2 GB peak measured with it)
-# Every prefill chunk attends over all the positions the full layers hold (static shapes): at
-# 131,328 a chunk is ~8 TFLOP, about a minute on 2 cores. So the rate is timed step by step
-# after the prefills below, not by 3 runs that each prefill twice.
-window = ring.chunk_size
-vocab = model.config.get_text_config().vocab_size
-long_ids = torch.randint(3, vocab, (1, 4 * window), generator=torch.Generator().manual_seed(0)).to(backend.device)
-sweep, step_times = [], None
-for length, start in [(4 * window, 0), (window, context // 2), (window, context - window - 17)]:
-    with step.phase("prefill"):
-        prefill = time_fn(ring.prefill, long_ids[:, :length], start=start, sync=backend.sync, warmup=0, repeats=1)
-    with torch.no_grad():  # as generate calls it: with grad on, a new compile, and a cache that requires grad
-        decoded = time_fed(ring.decode_step, prefill.last, sync=backend.sync, repeats=16)
-    step_times = step_times or decoded.times  # after the real prefill of 4 windows
-    sweep.append(
-        {
-            "context": start + length,
-            "prefilled": f"{length} tokens from position {start:,}",
-            "prefill_s": prefill.median,
-            "decode_tok_s": 1 / decoded.median,
-            "decode_spread": decoded.max / decoded.min,
-        }
+if ran("06"):
+    series.drop_reference_model()  # 9 GB beside the ring's compile at 131,328 positions (25 GB peak measured with it)
+    step = Step(steps.RING)
+    print(
+        "attention:", group_query_heads(model), "->", model.config._attn_implementation
+    )  # as notebook 06, kept for 07
+    context = e2b.CONTEXT if not checkpoint.tiny else e2b.CONTEXT // 64
+    with step.phase("allocate"):
+        ring = RingDecoder(model, backend, max_len=context)
+    tokens, count, verdict = first_call(step, ring)
+    series.drop_reference_model()  # rebuilt by the verdict: 9 GB beside the prefills (22.2 GB peak measured with it)
+    # Every prefill chunk attends over all the positions the full layers hold (static shapes): at
+    # 131,328 a chunk is ~8 TFLOP, about a minute on 2 cores. So the rate is timed step by step
+    # after the prefills below, not by 3 runs that each prefill twice.
+    window = ring.chunk_size
+    vocab = model.config.get_text_config().vocab_size
+    long_ids = torch.randint(3, vocab, (1, 4 * window), generator=torch.Generator().manual_seed(0)).to(backend.device)
+    step_times = None
+    for length, start in [(4 * window, 0), (window, context // 2), (window, context - window - 17)]:
+        with step.phase("prefill"):
+            prefill = time_fn(ring.prefill, long_ids[:, :length], start=start, sync=backend.sync, warmup=0, repeats=1)
+        with torch.no_grad():  # as generate calls it: with grad on, a new compile, and a cache that requires grad
+            decoded = time_fed(ring.decode_step, prefill.last, sync=backend.sync, repeats=16)
+        step_times = step_times or decoded.times  # after the real prefill of 4 windows
+        sweep.append(
+            {
+                "context": start + length,
+                "prefilled": f"{length} tokens from position {start:,}",
+                "prefill_s": prefill.median,
+                "decode_tok_s": 1 / decoded.median,
+                "decode_spread": decoded.max / decoded.min,
+            }
+        )
+    print(table(sweep))
+    label = f"ring cache, {context:,} positions"
+    row = steps.record_compiled(
+        results, steps.RING, label, ring, series, tokens, count, sources.RING_TOK_S, [1 / t for t in step_times]
     )
-print(table(sweep))
-label = f"ring cache, {context:,} positions"
-row = steps.record_compiled(
-    results, steps.RING, label, ring, series, tokens, count, sources.RING_TOK_S, [1 / t for t in step_times]
-)
-step.done(**timed_row(row), prefill_s=sweep[0]["prefill_s"], verdict=str(verdict))
-fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot([s["context"] for s in sweep], [s["decode_tok_s"] for s in sweep], "o-")
-ax.set(xlabel="context (positions)", ylabel="decode tok/s (median of 16 steps)", ylim=(0, None))
-ax.set_title(f"ring cache of {context:,} positions, {backend.name}: decode against context")
-fig.tight_layout()
-fig.savefig(folder / "decode_vs_context.png", dpi=120)
-del ring
-torch._dynamo.reset()
+    step.done(**timed_row(row), prefill_s=sweep[0]["prefill_s"], verdict=str(verdict))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([s["context"] for s in sweep], [s["decode_tok_s"] for s in sweep], "o-")
+    ax.set(xlabel="context (positions)", ylabel="decode tok/s (median of 16 steps)", ylim=(0, None))
+    ax.set_title(f"ring cache of {context:,} positions, {backend.name}: decode against context")
+    fig.tight_layout()
+    fig.savefig(folder / "decode_vs_context.png", dpi=120)
+    del ring
+    torch._dynamo.reset()
+
 
 # --- 07: past the source -----------------------------------------------------------------------
-step = Step(steps.PAST)
-variants = steps.measure_variants_in_place(backend, series, ks=tuple(args.ks), max_len=max_len, variants=args.variants)
-steps.record_variants(results, backend, variants)
-for v in variants:
-    rows.append(
-        {
-            "step": f"07 {v['variant']}",
-            "first_call_s": v["first_call_s"],
-            **{k: v.get(k) for k in timed_row(v)},
-            "device_bytes": v["weights_bytes"],
-            "verdict": v["verdict"],
-        }
+if ran("07"):
+    step = Step(steps.PAST)
+    variants = steps.measure_variants_in_place(
+        backend, series, ks=tuple(args.ks), max_len=max_len, variants=args.variants
     )
-step.done()
+    steps.record_variants(results, backend, variants)
+    for v in variants:
+        rows.append(
+            {
+                "step": f"{steps.PAST}, {v['variant']}",
+                "first_call_s": v["first_call_s"],
+                **{k: v.get(k) for k in timed_row(v)},
+                "device_bytes": v["weights_bytes"],
+                "verdict": v["verdict"],
+            }
+        )
+    step.done()
+
 
 # --- the table and the targets -----------------------------------------------------------------
 total = time.perf_counter() - started
@@ -265,5 +287,10 @@ print(f"  largest host peak {fmt_bytes(peak)} (target < 20 GB)")
 print(f"  best loop: {best['step']}, {best['decode_tok_s']:.2f} tok/s, {best['pct_of_bw']:.0f}% of the read bandwidth")
 print(f"    (target >= 60%), {best['decode_tok_s'] / hf_row['decode_tok_s']:.2f}x HF generate with its static cache")
 print(f"    and compiled forward ({hf_row['decode_tok_s']:.2f} tok/s, same run; target >= 2x)")
-print(f"  decode tok/s against context: {folder / 'decode_vs_context.png'}")
-print(f"  median decode tok/s over the ring's contexts: {statistics.median(s['decode_tok_s'] for s in sweep):.2f}")
+ours = next(r for r in rows if r["step"] == steps.COMPILED)
+print(f"  notebook 04's step: {ours['decode_tok_s'] / hf_row['decode_tok_s']:.2f}x HF's compiled recipe (target >= 1x)")
+if sweep:
+    print(f"  decode tok/s against context: {folder / 'decode_vs_context.png'}")
+    print(f"  median decode tok/s over the ring's contexts: {statistics.median(s['decode_tok_s'] for s in sweep):.2f}")
+else:
+    print(f"  (run until notebook {args.until}: the later steps are not in this table)")

@@ -1,5 +1,5 @@
-"""Grid recovery at E2B's scale: ``qtable.recover_grid`` on one block of the per-layer table's
-shape (``qtable.ROWS_PER_BLOCK`` rows of 8,960 values, as ``QTable.from_embedding`` walks the
+"""Grid recovery at E2B's scale: ``int4.recover_grid`` on one block of the per-layer table's
+shape (``int4.ROWS_PER_BLOCK`` rows of 8,960 values, as ``QTable.from_embedding`` walks the
 table), built as Google's tables are, bf16(level x float32 step), timed over several repeats;
 then the time for E2B's two tables, projected from their real shapes (meta device).
 
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from helpers import e2b, qtable
-from helpers.bench import time_fn
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--repeats", type=int, default=5)

@@ -2,7 +2,7 @@
 one decode matmul at E2B's widest linear shapes, its weight read as bf16 (MKL, and the loops
 inductor writes: ``Backend.use_matvec_loops``); as ``QLinear``'s packed int4 codes multiplied
 inside the compiled step (exact: the checkpoint's bf16 values), plane by plane as ``QLinear``
-does for one row (``qtable.packed_linear``), or unpacked into the weight's columns first, as it
+does for one row (``int4.packed_linear``), or unpacked into the weight's columns first, as it
 does for a prefill's rows; and through torch's own CPU int4 kernel
 (``aten._weight_int4pack_mm_for_cpu``, the one torchao and gpt-fast call on a CPU), which
 multiplies codes by scales without rounding the products to bf16, so its weights are within half a
@@ -23,9 +23,10 @@ from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 import helpers
 from helpers import e2b, roofline
-from helpers.bench import table, time_fn
 from helpers.packed import GROUP_SIZE
 from helpers.qlinear import QLinear
+from helpers.tables import table
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=5)

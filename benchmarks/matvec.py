@@ -17,8 +17,9 @@ from cpu_model import cpu_model
 
 import helpers
 from helpers import roofline
-from helpers.bench import table, time_fn
-from helpers.qtable import GROUP_SIZE, dequantize
+from helpers.int4 import GROUP_SIZE, dequantize
+from helpers.tables import table
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=5)

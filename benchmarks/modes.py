@@ -9,7 +9,7 @@ machines are shared and noisy: compare ratios, not wall times across runs).
 import argparse
 
 import helpers
-from helpers.bench import table
+from helpers.tables import table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected)")

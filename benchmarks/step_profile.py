@@ -7,7 +7,11 @@ cache it was measured with, and with its cache sized to the run as HF sizes its 
 (``decode.cache_length``: prompt + tokens, rounded up to a bucket), since a step's attention
 reads its whole buffer.
 
-    python benchmarks/step_profile.py [--steps 16] [--rows 15] [--max-len 256 64] [--backend cpu|cuda]
+    python benchmarks/step_profile.py [--steps 16] [--rows 15] [--max-len 256 64] [--rounds 6] [--backend cpu|cuda]
+
+Then, without the profiler (it adds time to every op), the two loops alternate ``--rounds`` times
+with notebook 04's step at the run's bucket, so both see the same state of a shared machine: each
+round's median step time, and the ratio of the medians over rounds with its spread.
 
 Both run the model as notebook 04 leaves it (decompressed, compressed-tensors' wrappers
 stripped, bf16). HF's recipe is timed from its streamer's per-token times over the same steps.
@@ -15,10 +19,11 @@ stripped, bf16). HF's recipe is timed from its streamer's per-token times over t
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import profile
 
 import helpers
 from helpers import decode, hub
@@ -34,6 +39,7 @@ parser.add_argument("--backend", help="cpu or cuda (default: detected)")
 parser.add_argument(
     "--max-len", type=int, nargs="*", help="cache lengths of notebook 04's step (default: 256, then the run's bucket)"
 )
+parser.add_argument("--rounds", type=int, default=6, help="alternated rounds of the two loops, unprofiled")
 args = parser.parse_args()
 
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
@@ -44,8 +50,6 @@ checkpoint, model, tokenizer, ids = load_for_series(backend)
 with torch.no_grad():
     model(ids)  # the first forward decompresses the weights
 decode.strip_compressed_wrappers(model)
-activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.name == "cuda" else [])
-sort = "self_cuda_time_total" if backend.name == "cuda" else "self_cpu_time_total"
 tokens = args.steps + 1
 
 
@@ -61,14 +65,14 @@ def hf_run():
 def report(name: str, prof, seconds: list[float]):
     per_token = sorted(seconds)[len(seconds) // 2]
     print(f"\n== {name}: {1 / per_token:.2f} tok/s (median of {len(seconds)} steps)")
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
+    print(prof.key_averages().table(sort_by=backend.profiler_sort, row_limit=args.rows))
 
 
 with compiled_forward(model):
     start = time.perf_counter()
     hf_run()  # compiles the forward
     print(f"HF's recipe compiled in {time.perf_counter() - start:.0f} s")
-    with profile(activities=activities) as hf_prof:
+    with profile(activities=backend.profiler_activities) as hf_prof:
         streamer = hf_run()
     hf_seconds = streamer.step_seconds[1:]  # after the prefill's token
 torch._dynamo.reset()
@@ -84,7 +88,7 @@ for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens))
     print(f"\nnotebook 04's step, {max_len} positions, compiled in {time.perf_counter() - start:.0f} s")
     token, position = decoder.prefill(ids)
     ours = []
-    with profile(activities=activities) as our_prof:
+    with profile(activities=backend.profiler_activities) as our_prof:
         for _ in range(args.steps):
             begin = time.perf_counter()
             _, token, position = decoder.call(token, position)
@@ -92,3 +96,36 @@ for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens))
             ours.append(time.perf_counter() - begin)
     report(f"notebook 04's compiled step, a static cache of {max_len} positions", our_prof, ours)
     del decoder
+
+
+def our_run(decoder) -> list[float]:
+    token, position = decoder.prefill(ids)
+    seconds = []
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        _, token, position = decoder.call(token, position)
+        token.tolist()
+        seconds.append(time.perf_counter() - begin)
+    return seconds
+
+
+if args.rounds:
+    # both compiled at once: HF's forward inside compiled_forward, notebook 04's step outside it
+    torch._dynamo.reset()
+    max_len = decode.cache_length(ids.shape[1] + tokens)
+    decoder = decode.Decoder(model, backend, max_len)
+    decoder.generate(ids, 2)
+    with compiled_forward(model):
+        hf_run()
+    medians = {"HF": [], "04": []}
+    for r in range(args.rounds):
+        with compiled_forward(model):
+            medians["HF"].append(statistics.median(hf_run().step_seconds[1:]))
+        medians["04"].append(statistics.median(our_run(decoder)))
+        print(f"round {r + 1}: HF {1 / medians['HF'][-1]:.2f} tok/s, 04 {1 / medians['04'][-1]:.2f} tok/s", flush=True)
+    ratios = [hf / ours for hf, ours in zip(medians["HF"], medians["04"])]
+    print(
+        f"\nalternated, {args.rounds} rounds of {args.steps} steps, 04 with {max_len} positions:"
+        f" HF {1 / statistics.median(medians['HF']):.2f} tok/s, 04 {1 / statistics.median(medians['04']):.2f} tok/s;"
+        f" 04 / HF = {statistics.median(ratios):.3f} (median of rounds; {min(ratios):.3f} to {max(ratios):.3f})"
+    )

@@ -4,7 +4,7 @@ ring's prefill chunk and step at 131,328 positions, notebook 07's variants), the
 ``helpers.programs``: 64-bit integer ops, the KV cache buffers aliased input to output (and
 the bytes copied per call where not), the largest intermediate, and the program's memory as
 XLA's buffer assignment sizes it (inputs, outputs, temporaries: the most it holds at once),
-beside the 15.75 GiB a TPU v5e-1 gives programs (``sources.V5E_HBM_BYTES``); the CPU compiler's
+beside the 15.75 GiB a TPU v5e-1 gives programs (``helpers.backend.V5E_HBM_BYTES``); the CPU compiler's
 float32 copies of bf16 inputs, which a TPU never makes, are shown apart.
 
     .venv-xla/bin/python benchmarks/xla_programs.py [--max-len 256] [--ks 1 4] [--variants ...]
@@ -29,13 +29,13 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import helpers  # noqa: E402
-from helpers import decode, e2b, hub, programs, sources  # noqa: E402
-from helpers.bench import fmt_bytes, table  # noqa: E402
+from helpers import decode, e2b, hub, programs  # noqa: E402
 from helpers.fused import fuse_projections  # noqa: E402
 from helpers.qlinear import keep_linears_compressed  # noqa: E402
 from helpers.qtable import QTable, keep_embed_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 from helpers.synthetic import SYNTHETIC  # noqa: E402
+from helpers.tables import fmt_bytes, table  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-len", type=int, default=256, help="positions the static cache holds (04, 05, 07)")
@@ -55,17 +55,17 @@ parser.add_argument(
 )
 args = parser.parse_args()
 
-os.environ.setdefault(programs.AUDIT_VAR, "1")  # before the backend starts: XLA reads its flags once
+os.environ.setdefault(helpers.backend.AUDIT_VAR, "1")  # before the backend starts: XLA reads its flags once
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
 backend = helpers.get_backend()
-if backend.name != "xla":
+if not backend.lazy:
     raise SystemExit(f"this reads what XLA compiles: run it with the xla backend (got {backend.name})")
-folder = programs.dump_folder()
+folder = helpers.backend.dump_folder()
 checkpoint = hub.choose_checkpoint(backend)
 print(backend.describe())
 print(checkpoint, "| XLA dumps into", folder)
 
-config = AutoConfig.from_pretrained(hub.local_folder(checkpoint)).get_text_config()
+config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
 with torch.device("meta"):
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # as loading makes it: buffers too
 model.to_empty(device="cpu")  # allocated on the host first: a device's empty() is lazy work for XLA
@@ -110,7 +110,7 @@ def audit(what: str, decoder) -> None:
                 "f32_input_copies": fmt_bytes(row["upcast_bytes"]),
                 "total": fmt_bytes(row["total_bytes"]),
                 "total_less_copies": fmt_bytes(row["total_bytes"] - row["upcast_bytes"]),
-                "of_v5e_limit": f"{100 * row['total_bytes'] / sources.V5E_HBM_BYTES:.0f}%",
+                "of_v5e_limit": f"{100 * row['total_bytes'] / helpers.backend.V5E_HBM_BYTES:.0f}%",
                 "bytes": row["total_bytes"],
                 "table_made_whole": any(
                     shape.split("{")[0] in (f"f32[{whole}]", f"bf16[{whole}]")
@@ -124,7 +124,7 @@ def audit(what: str, decoder) -> None:
     print(table([{k: v for k, v in r.items() if k not in hidden} for r in rows if r["what"] == what]))
 
 
-audit("04 compiled step (bf16 per-layer table)", decode.Decoder(model, backend, args.max_len))
+audit("04 compiled decode (bf16 per-layer table)", decode.Decoder(model, backend, args.max_len))
 
 # 05: the per-layer table as notebook 05 keeps it: a row of packed int4 words and float32 steps
 # (E2B's are finer than bf16), padded to 128 words; here zeros of that shape
@@ -134,25 +134,25 @@ model.model.embed_tokens_per_layer = QTable(
 )
 del old
 backend.flush()
-audit("05 4-bit per-layer table", decode.Decoder(model, backend, args.max_len))
+audit("05 4-bit table", decode.Decoder(model, backend, args.max_len))
 # notebook 06's attention, kept for 07: the query heads grouped over their one K/V head
 print("attention:", group_query_heads(model), "->", model.config._attn_implementation)
 # at 131,328 positions each full layer's chunk scores every position the ring holds
 ring_chunk = min(args.ring_chunk, config.sliding_window)  # no longer than the window (RingCache)
-ring = RingDecoder(model, backend, sources.CONTEXT, chunk_size=ring_chunk)
+ring = RingDecoder(model, backend, e2b.CONTEXT, chunk_size=ring_chunk)
 for chunk in sorted({ring_chunk, config.sliding_window}):
-    sizes = e2b.full_attention_bytes(config, sources.CONTEXT, chunk)
+    sizes = e2b.full_attention_bytes(config, e2b.CONTEXT, chunk)
     print(
-        f"a prefill chunk of {chunk} at {sources.CONTEXT:,} positions, in a full layer (computed): float32 scores"
+        f"a prefill chunk of {chunk} at {e2b.CONTEXT:,} positions, in a full layer (computed): float32 scores"
         f" {fmt_bytes(sizes['scores'])}; K repeated for each query head, as transformers' attention would,"
         f" {fmt_bytes(sizes['k_repeated'])} in bf16"
     )
-audit(f"06 ring, {sources.CONTEXT:,} positions, chunks of {ring_chunk}", ring)
+audit(f"06 ring cache, {e2b.CONTEXT:,} positions, chunks of {ring_chunk}", ring)
 del ring  # its cache: 0.81 GB at E2B
 
 for k in args.ks:
     if k > 1:
-        audit(f"07 4-bit table, K={k}", decode.Decoder(model, backend, args.max_len, tokens_per_call=k))
+        audit(f"07 past the source, K={k}", decode.Decoder(model, backend, args.max_len, tokens_per_call=k))
 
 
 def head_in_4bit() -> dict:
@@ -176,7 +176,7 @@ for name in args.variants:
         raise SystemExit(f"unknown variant {name!r}: pick from {list(changes)}")
     print(name, changes[name]())
     backend.flush()
-    audit(f"07 {labels.get(name, name)}", decode.Decoder(model, backend, args.max_len))
+    audit(f"07 past the source, {labels.get(name, name)}", decode.Decoder(model, backend, args.max_len))
 
 print(f"\n{checkpoint.name}: every program, as XLA's CPU compiler assigned its buffers")
 print(table([{k: v for k, v in r.items() if k not in ("bytes", "table_made_whole")} for r in rows]))
@@ -184,7 +184,7 @@ worst = max(rows, key=lambda r: r["bytes"])
 print(
     f"largest program: {worst['what']} ({worst['program']}), {worst['total']} on XLA's CPU compiler"
     f" ({worst['total_less_copies']} without its float32 copies of bf16 inputs), {worst['of_v5e_limit']} of the"
-    f" {sources.V5E_HBM_GIB} GiB a v5e-1 gives programs"
+    f" {helpers.backend.V5E_HBM_GIB} GiB a v5e-1 gives programs"
 )
 head = [r for r in rows if "4-bit head" in r["what"] and r["program"].startswith("step")]
 if head:

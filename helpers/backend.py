@@ -15,6 +15,9 @@ import dataclasses
 import importlib
 import importlib.util
 import os
+import pathlib
+import re
+import tempfile
 import time
 import warnings
 from typing import Callable
@@ -22,15 +25,31 @@ from typing import Callable
 import torch
 import torch._inductor.config as inductor_config
 
-from . import tpu_scan
-from .programs import AUDIT_VAR, enable_dump
-from .sources import V5E_HBM_BYTES
+from .tpu import tpu_scan
 
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
 ENV_VAR = "HELPERS_BACKEND"
 _DEFER_AND_FUSE_BACKENDS = ("tpu", "xla")
 _COMPILE_BACKEND = {"tpu": "tpu", "xla": "openxla", "cuda": "inductor", "cpu": "inductor"}
+# The TPU this course targets, as published (the figures the course did not measure, apart from
+# ``sources``' measurements of others: the backend is where they are used).
+# v5e's int8 peak, "393 TOPS (exactly 2x bf16)", the vendor's figure as quoted in xbill9/gemma4-dev,
+# tpu-vllm-v5e1-2b/devto-vllm-gemma4-e2b-v5e1.md
+V5E_INT8_OPS = 393e12
+# Google's published HBM bandwidth and bf16 peak of one TPU v5e chip.
+V5E_BYTES_PER_S = 819e9
+V5E_BF16_FLOPS = 197e12
+# The HBM a v5e-1 gives programs, in the device's own units: 15.75 GiB, as it reported itself to
+# vLLM TPU ("total_hbm_limit_gb=15.75GiB", xbill9/gemma4-dev, jev-tpu-v5e1/evidence-v5e1/
+# kv-and-memory.txt); Google's page says "16 GB" of HBM. Where a device is at hand, its own
+# reported limit is used instead (``Backend.memory_total``).
+V5E_HBM_GIB = 15.75
+V5E_HBM_BYTES = int(V5E_HBM_GIB * 2**30)
+AUDIT_VAR = "HELPERS_XLA_AUDIT"  # set (to 1) before the xla backend starts: XLA dumps what it compiles
+DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*"
+GENERATION_TOKENS = 32  # tokens per run in the series (``Backend.generation_length``)
+TIMED_TOKENS = 128  # tokens per timed decode run, as gpt-fast times (``Backend.timed_length``)
 
 
 class BackendError(RuntimeError):
@@ -90,6 +109,23 @@ def _check_available(name: str) -> None:
         raise BackendError(f"backend 'cuda' asked for, but torch sees no CUDA GPU: use {ENV_VAR}=cpu.")
 
 
+def dump_folder() -> pathlib.Path | None:
+    """Where XLA dumps what it compiles in this process, if it was told to (``XLA_FLAGS``)."""
+    found = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return pathlib.Path(found.group(1)) if found else None
+
+
+def enable_dump() -> pathlib.Path:
+    """The folder XLA dumps every compiled module into: set in ``XLA_FLAGS`` now, so call it
+    before the xla backend's first device use (XLA reads its flags once, when its client starts).
+    Reuses a dump folder already set there."""
+    if dump_folder():
+        return dump_folder()
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="xla-dump-"))
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DUMP_FLAGS.format(folder)}".strip()
+    return folder
+
+
 @dataclasses.dataclass
 class CompileCount:
     """What was compiled inside a ``with backend.compile_counter() as c:`` block.
@@ -144,7 +180,91 @@ class Backend:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return MODES if self.name in _DEFER_AND_FUSE_BACKENDS else ("eager", "compile")
+        return MODES if self.defers_ops else ("eager", "compile")
+
+    # --- policy: what the rest of the course asks of a backend, decided here only ----------
+    @property
+    def defers_ops(self) -> bool:
+        """Whether eager ops can be deferred and fused into device programs (tpu, xla): there a
+        graph that changes shape each step (HF's default cache) is a new compile each step."""
+        return self.name in _DEFER_AND_FUSE_BACKENDS
+
+    @property
+    def lazy(self) -> bool:
+        """PyTorch/XLA's lazy tensors (xla): every op is recorded and runs when synced, as one XLA
+        program; on its CPU client each new program is a compile of seconds to minutes."""
+        return self.name == "xla"
+
+    @property
+    def on_tpu(self) -> bool:
+        """Whether programs run on a TPU chip: TorchTPU, or PyTorch/XLA with ``PJRT_DEVICE=TPU``."""
+        return self.name == "tpu" or (self.lazy and os.environ.get("PJRT_DEVICE") == "TPU")
+
+    @property
+    def default_model(self) -> str:
+        """What the series loads here unless told (``hub.choose_checkpoint``): ``"e2b"`` on a TPU
+        (E2B's ~9 GB fit a v5e-1), ``"e2b if it fits"`` on a CUDA GPU (a Colab T4 or L4 when there
+        is no TPU quota), ``"twin"`` on the host and on XLA's CPU client."""
+        return {"tpu": "e2b", "cuda": "e2b if it fits"}.get(self.name, "twin")
+
+    @property
+    def load_device_map(self) -> dict[str, str]:
+        """``from_pretrained``'s ``device_map``, set explicitly: transformers places nothing on a
+        TPU by itself. accelerate cannot place onto PyTorch/XLA devices, so on xla the weights
+        load on the host and ``place`` moves them."""
+        return {"": "cpu"} if self.lazy else {"": str(self.device)}
+
+    def place(self, model):
+        """A model loaded with ``load_device_map``, on the device: on xla moved there and its
+        tied weights tied again (moving onto an XLA device makes new tensors); else as it is."""
+        if self.lazy:
+            model.to(self.device)
+            model.tie_weights()
+        return model
+
+    @property
+    def generation_length(self) -> int:
+        """Tokens generated per run in the series: ``GENERATION_TOKENS``; 8 on xla, where HF
+        ``generate`` compiles a new program at every step."""
+        return 8 if self.lazy else GENERATION_TOKENS
+
+    @property
+    def timed_length(self) -> int:
+        """Tokens per timed decode run: ``TIMED_TOKENS`` (a rate over the twin's 32 tokens is a
+        few milliseconds, mostly noise); on xla, ``generation_length``: timings there measure
+        the CPU client, not a TPU."""
+        return self.generation_length if self.lazy else TIMED_TOKENS
+
+    @property
+    def runs_compiled_generate(self) -> bool:
+        """Whether HF ``generate`` may run with a compiled forward: not on xla, where it crashed
+        torch_xla 2.9's process at generate's stop check (SIGSEGV or SIGABRT, twice of two)."""
+        return not self.lazy
+
+    @property
+    def published_bandwidth(self) -> tuple[float, str] | None:
+        """The device's published read bandwidth and its source, where the course uses it in
+        place of a measurement: on a TPU, Google's v5e figure; None elsewhere (measured)."""
+        return (V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s") if self.on_tpu else None
+
+    @property
+    def xla_dump_folder(self):
+        """Where XLA dumps the programs it compiles, on xla when told to (``HELPERS_XLA_AUDIT=1``
+        before the backend starts); None elsewhere."""
+        return dump_folder() if self.lazy else None
+
+    @property
+    def profiler_activities(self) -> list:
+        """What torch.profiler records here: the host everywhere, a GPU's kernels on cuda. On tpu
+        and xla it sees the host's side only (dispatch, guards, waiting for the device)."""
+        from torch.profiler import ProfilerActivity
+
+        return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.name == "cuda" else [])
+
+    @property
+    def profiler_sort(self) -> str:
+        """The profiler table's column for time spent on this device."""
+        return "self_cuda_time_total" if self.name == "cuda" else "self_cpu_time_total"
 
     def describe(self) -> str:
         """One line a reader can trust: backend, device and its memory."""
@@ -199,7 +319,7 @@ class Backend:
     def memory_total(self) -> int | None:
         """Device memory in bytes as the backend reports it (None on cpu): CUDA's total, XLA's
         ``bytes_limit``, TorchTPU's HBM per device (its table by chip kind: 16 GiB for a v5e;
-        without it, the limit a v5e-1 reports to programs, ``sources.V5E_HBM_BYTES``)."""
+        without it, the limit a v5e-1 reports to programs, ``V5E_HBM_BYTES``)."""
         if self.name == "cuda":
             return torch.cuda.get_device_properties(self.device).total_memory
         if self.name == "tpu":
@@ -285,7 +405,7 @@ class Backend:
 
     @property
     def int4_by_planes(self) -> bool:
-        """Whether packed int4 times a decode row goes plane by plane (``qtable.packed_linear``):
+        """Whether packed int4 times a decode row goes plane by plane (``int4.packed_linear``):
         on a CPU, where inductor left the columns form a scalar loop (five times slower); elsewhere
         the dequantized weight's matmul, which a TPU's or GPU's compiler may fuse into its matrix
         unit, where the planes' products would be elementwise work."""

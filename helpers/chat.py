@@ -8,10 +8,10 @@ import html
 import torch
 
 from . import checkpoint as ck
-from .bench import fmt_bytes
 from .decode import cache_bytes
 from .generate import StepStreamer
 from .ring import RingDecoder
+from .tables import fmt_bytes
 
 _SENTINEL = "\x00reply\x00"  # stands for the last reply while the template renders the next turn
 

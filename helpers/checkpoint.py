@@ -1,4 +1,4 @@
-"""Loading a Gemma 4 E2B checkpoint (chosen by `helpers.hub`): refuse what cannot fit, load
+"""Loading a Gemma 4 E2B checkpoint (chosen and fetched by `helpers.hub`): refuse what cannot fit, load
 its text decoder onto a device, see where the bytes go, give them back; the series' prompt and
 a reference model dequantized independently. The real checkpoint and the tiny twin go through
 the same code."""
@@ -17,9 +17,7 @@ import warnings
 import torch
 
 from .backend import Backend
-from .bench import fmt_bytes, host_peak_bytes
-from .e2b import estimate_device_bytes, fit_options
-from .hub import Checkpoint, CheckpointError, local_folder
+from .e2b import CONTEXT, estimate_device_bytes, fit_options
 from .packed import (
     CHECKPOINT_PREFIX,
     GROUP_SIZE,
@@ -30,14 +28,55 @@ from .packed import (
     text_key,
 )
 from .sampling import greedy_config
-from .sources import CONTEXT
-from .twin import PROMPT
+from .tables import fmt_bytes
+from .timing import host_peak_bytes
+
+PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used as asked; the message says what to do."""
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """Where the weights come from, and why: printed first, so a reader knows what ran."""
+
+    source: str  # a repo id or a local folder
+    revision: str | None
+    tiny: bool
+    reason: str
+    folder: str | None = None  # where ``source`` was fetched to once (a download, or the Hub's cache)
+    synthetic: bool = False  # E2B's layout with random weights (``helpers.synthetic``)
+
+    @property
+    def name(self) -> str:
+        """A stable name for the weights: the repo id and revision, or the twin's folder name."""
+        return pathlib.Path(self.source).name if self.tiny else f"{self.source}@{self.revision or 'main'}"
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The folder the weights are read from: ``folder``, resolved once where the checkpoint was
+        chosen (``helpers.choose_checkpoint`` fetches what it chooses), or ``source`` itself when it
+        is a folder. Reading never goes to the Hub."""
+        path = pathlib.Path(self.folder or self.source)
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{self.source} is not a local folder and was not fetched: helpers.choose_checkpoint fetches "
+                "what it chooses (helpers.hub.fetch fetches a checkpoint made by hand)."
+            )
+        return path
+
+    def __str__(self) -> str:
+        rev = f" @ {self.revision}" if self.revision else ""
+        kind = "tiny offline twin" if self.tiny else "synthetic checkpoint" if self.synthetic else "real checkpoint"
+        return f"{kind}: {self.source}{rev} ({self.reason})"
 
 
 def name_map(checkpoint: Checkpoint) -> list[dict]:
     """How the checkpoint's tensor names land in the text model, grouped (names only, no data)."""
     groups: dict[tuple[str, str], int] = {}
-    with CheckpointTensors(local_folder(checkpoint)) as tensors:
+    with CheckpointTensors(checkpoint.path) as tensors:
         for key in tensors.keys():
             name = text_key(key)
             if name is None:
@@ -107,12 +146,6 @@ def preflight(
 
 
 # --- loading ---------------------------------------------------------------------------------
-def _device_map(backend: Backend):
-    # set explicitly: transformers places nothing on a TPU by itself. accelerate cannot
-    # place onto PyTorch/XLA devices, so that backend loads on the host and moves.
-    return {"": "cpu"} if backend.name == "xla" else {"": str(backend.device)}
-
-
 def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False):
     """The text decoder of ``checkpoint`` on the device, and the seconds it took.
 
@@ -125,7 +158,7 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
     from transformers.utils import logging as hf_logging
 
     start = time.perf_counter()
-    folder = local_folder(checkpoint)
+    folder = checkpoint.path
     config = text_config(read_config(folder))
     print(preflight(config, backend, dequantize))
     quantization = (
@@ -142,16 +175,14 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
                 config=config,
                 key_mapping=KEY_MAPPING,
                 dtype=dtype,
-                device_map=_device_map(backend),
+                device_map=backend.load_device_map,
                 quantization_config=quantization,
                 output_loading_info=True,
             )
     finally:
         hf_logging.set_verbosity(verbosity)
     _check_loading_info(info)
-    if backend.name == "xla":
-        model.to(backend.device)
-        model.tie_weights()  # moving onto an XLA device makes new tensors: tie them again
+    backend.place(model)
     model.eval()
     if model.lm_head.weight is not model.model.embed_tokens.weight:
         raise CheckpointError("lm_head is no longer tied to embed_tokens after placement on the device.")
@@ -196,7 +227,7 @@ def _check_loading_info(info: dict) -> None:
 def load_tokenizer(checkpoint: Checkpoint):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(local_folder(checkpoint))
+    return AutoTokenizer.from_pretrained(checkpoint.path)
 
 
 def encode(tokenizer, text: str, device) -> torch.Tensor:
@@ -227,7 +258,7 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from transformers import Gemma4ForCausalLM, GenerationConfig
 
-    folder = local_folder(checkpoint)
+    folder = checkpoint.path
     config = text_config(read_config(folder))
     config.quantization_config = None
     state = {}
@@ -298,19 +329,6 @@ def compression_report(model) -> list[dict]:
         {"what": f"quantization status '{s}'", "count": len(names), "example": names[0]} for s, names in status.items()
     ]
     return rows
-
-
-def generation_length(backend: Backend) -> int:
-    """Tokens generated per run in the series: 32; 8 on xla, where ``generate`` compiles a
-    new graph at every step."""
-    return 8 if backend.name == "xla" else 32
-
-
-def timed_length(backend: Backend) -> int:
-    """Tokens per timed decode run: 128, as gpt-fast times (a rate over the twin's 32 tokens
-    is a few milliseconds, mostly noise); on xla, ``generation_length``: HF ``generate``
-    compiles a graph at every step there, and its timings measure the CPU client, not a TPU."""
-    return generation_length(backend) if backend.name == "xla" else 128
 
 
 def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:

@@ -11,9 +11,9 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from .backend import Backend
-from .bench import time_fn
 from .checkpoint import compression_report, memory_report
 from .sampling import Sampler, Stops, stop_ids, until_stop
+from .timing import time_fn
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -276,18 +276,16 @@ def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
     everywhere and the GPU's kernels on cuda. On tpu and xla it sees the host's side only
     (dispatch, guards, waiting for the device); the device's own ops are in the backend's
     profiler (TorchTPU's, PyTorch/XLA's ``torch_xla.debug.profiler``), not wired in here."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if decoder.backend.name == "cuda" else [])
     token, position = decoder.prefill(ids)
     decoder.backend.sync()
-    with profile(activities=activities) as prof:
+    with profile(activities=decoder.backend.profiler_activities) as prof:
         for _ in range(steps):
             _, token, position = decoder.call(token, position)
         decoder.backend.flush()
         decoder.backend.sync()
-    sort = "self_cuda_time_total" if decoder.backend.name == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=rows)
+    return prof.key_averages().table(sort_by=decoder.backend.profiler_sort, row_limit=rows)
 
 
 @contextlib.contextmanager

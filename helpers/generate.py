@@ -4,9 +4,7 @@ reference tokens every later notebook must reproduce."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import html
-import json
 import statistics
 import time
 
@@ -14,7 +12,6 @@ import torch
 from transformers import TextStreamer
 
 from .backend import Backend
-from .bench import run_dir, update_json
 from .sampling import greedy_config, stop_ids, until_stop
 
 
@@ -149,35 +146,6 @@ def ops_per_step(model, context: int = 26) -> dict[str, int]:
     return counts
 
 
-# --- the reference tokens -------------------------------------------------------------------
-def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int) -> str:
-    """Model, backend, prompt and length: a reference is only valid for the same four."""
-    prompt = hashlib.sha256(json.dumps(ids[0].tolist()).encode()).hexdigest()[:12]
-    return f"{checkpoint.name}|{backend.name}|prompt {prompt}|{new_tokens} tokens"
-
-
-def save_reference(
-    checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None
-) -> str:
-    """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped)."""
-    key = reference_key(checkpoint, backend, ids, new_tokens)
-    update_json(run_dir(folder) / "reference_tokens.json", lambda saved: {**saved, key: tokens})
-    return key
-
-
-def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, folder=None) -> list[int]:
-    """The reference tokens notebook 03 saved for this model, backend, prompt and length."""
-    path = run_dir(folder) / "reference_tokens.json"
-    key = reference_key(checkpoint, backend, ids, new_tokens)
-    saved = json.loads(path.read_text()) if path.exists() else {}
-    if key not in saved:
-        known = "; ".join(saved) or "none"
-        raise LookupError(
-            f"no reference tokens for {key} in {path} (saved: {known}): run notebook 03 first, same settings"
-        )
-    return saved[key]
-
-
 # Under defer-and-fuse every step of a first call is a new shape, so a whole-model compile:
 # 8 steps show it (32 would mean 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
 DEFER_AND_FUSE_TOKENS = 8
@@ -203,15 +171,3 @@ def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: i
             "programs_second": second.step_programs,
         }
     return calls
-
-
-def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int, folder=None) -> list[int]:
-    """Notebook 03's reference tokens from the run folder; where this run has none (a notebook
-    opened on its own), HF generate makes them now, and says so."""
-    try:
-        return load_reference(checkpoint, backend, ids, new_tokens, folder)
-    except LookupError:
-        print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
-        tokens, _, _ = generate(model, tokenizer, ids, backend, new_tokens)
-        save_reference(checkpoint, backend, ids, new_tokens, tokens, folder)
-        return tokens

@@ -9,6 +9,7 @@ import os
 import pathlib
 
 from .backend import Backend
+from .checkpoint import Checkpoint, CheckpointError
 from .e2b import estimate_device_bytes, real_config
 from .synthetic import SYNTHETIC, build_synthetic_e2b
 from .twin import build_tiny_twin
@@ -19,32 +20,6 @@ REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
 QAT_REPO_ID = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
 MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, "tiny", or "e2b-synthetic"
 REVISION_VAR = "HELPERS_REVISION"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used as asked; the message says what to do."""
-
-
-@dataclasses.dataclass
-class Checkpoint:
-    """Where the weights come from, and why: printed first, so a reader knows what ran."""
-
-    source: str  # a repo id or a local folder
-    revision: str | None
-    tiny: bool
-    reason: str
-    folder: str | None = None  # a local snapshot of ``source`` already at hand (the Hub's cache)
-    synthetic: bool = False  # E2B's layout with random weights (``helpers.synthetic``)
-
-    @property
-    def name(self) -> str:
-        """A stable name for the weights: the repo id and revision, or the twin's folder name."""
-        return pathlib.Path(self.source).name if self.tiny else f"{self.source}@{self.revision or 'main'}"
-
-    def __str__(self) -> str:
-        rev = f" @ {self.revision}" if self.revision else ""
-        kind = "tiny offline twin" if self.tiny else "synthetic checkpoint" if self.synthetic else "real checkpoint"
-        return f"{kind}: {self.source}{rev} ({self.reason})"
 
 
 def hf_token() -> str | None:
@@ -115,11 +90,18 @@ def real_model_fits(backend: Backend) -> tuple[bool, str]:
     return needed <= free, f"E2B needs ~{needed / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
 
 
-def choose_checkpoint(backend: Backend) -> Checkpoint:
+def choose_checkpoint(backend: Backend, fetch_it: bool = True) -> Checkpoint:
     """The real checkpoint on a TPU, and on a CUDA GPU where it fits (a Colab T4 or L4 when there
     is no TPU quota), else the tiny twin; ``$HELPERS_MODEL`` decides if set (a repo id, a local
     folder, or ``tiny``). When the Hub cannot be reached, the cached snapshot if there is one,
-    else the twin, with the reason in the printed line."""
+    else the twin, with the reason in the printed line. Resolved once, here: what is chosen is
+    fetched (``fetch``), and everything after reads its local folder (``Checkpoint.path``);
+    ``fetch_it=False`` only decides."""
+    chosen = _choose(backend)
+    return fetch(chosen) if fetch_it else chosen
+
+
+def _choose(backend: Backend) -> Checkpoint:
     asked, revision = os.environ.get(MODEL_VAR), os.environ.get(REVISION_VAR)
     if asked == "tiny":
         return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
@@ -129,10 +111,10 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
         )
     if asked:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
-    if backend.name not in ("tpu", "cuda"):
+    if backend.default_model == "twin":
         return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU or GPU here (backend {backend.name})")
     where = "a TPU"
-    if backend.name == "cuda":
+    if backend.default_model == "e2b if it fits":
         fits, numbers = real_model_fits(backend)
         if not fits:
             return Checkpoint(str(build_tiny_twin()), None, True, f"a GPU too small for E2B ({numbers})")
@@ -152,18 +134,15 @@ def choose_checkpoint(backend: Backend) -> Checkpoint:
     )
 
 
-def local_folder(checkpoint: Checkpoint) -> pathlib.Path:
-    """A local folder holding the checkpoint: downloaded only after access was checked."""
-    if checkpoint.folder:
-        return pathlib.Path(checkpoint.folder)
-    folder = pathlib.Path(checkpoint.source)
-    if folder.is_dir():
-        return folder
+def fetch(checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint`` with its local folder: as it is when it has one (a folder, the Hub's cache),
+    else a copy whose ``folder`` is the download, made only after access was checked."""
+    if checkpoint.folder or pathlib.Path(checkpoint.source).is_dir():
+        return checkpoint
     from huggingface_hub import snapshot_download
 
     token, unreachable = _hub_access(checkpoint.source)
     if unreachable:
         raise CheckpointError(f"cannot reach the Hub for {checkpoint.source} ({unreachable}) and it is not cached.")
-    return pathlib.Path(
-        snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token, allow_patterns=_PATTERNS)
-    )
+    folder = snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token, allow_patterns=_PATTERNS)
+    return dataclasses.replace(checkpoint, folder=str(folder))

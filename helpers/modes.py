@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .backend import Backend
-from .bench import time_fn
+from .timing import time_fn
 
 
 def op_stack(x: torch.Tensor, depth: int = 10) -> torch.Tensor:

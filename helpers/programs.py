@@ -11,34 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import pathlib
 import re
-import tempfile
 
-AUDIT_VAR = "HELPERS_XLA_AUDIT"  # set (to 1) before the xla backend starts: XLA dumps what it compiles
-DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*"
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
 _BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
 NOT_WORK = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-
-
-def dump_folder() -> pathlib.Path | None:
-    """Where XLA dumps what it compiles in this process, if it was told to (``XLA_FLAGS``)."""
-    found = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
-    return pathlib.Path(found.group(1)) if found else None
-
-
-def enable_dump() -> pathlib.Path:
-    """The folder XLA dumps every compiled module into: set in ``XLA_FLAGS`` now, so call it
-    before the xla backend's first device use (XLA reads its flags once, when its client starts).
-    Reuses a dump folder already set there."""
-    if dump_folder():
-        return dump_folder()
-    folder = pathlib.Path(tempfile.mkdtemp(prefix="xla-dump-"))
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DUMP_FLAGS.format(folder)}".strip()
-    return folder
 
 
 def array_bytes(shape_text: str) -> int:

@@ -5,15 +5,14 @@ the checkpoint's) or packed eight per int32 word as compressed-tensors saved the
 half a byte), with their bf16 group scales. Both give the checkpoint's weights exactly: codes x
 scales rounded to bf16, as compressed-tensors' own dequantization does. Packed int4 times a
 decode step's one row goes plane by plane through the words on a CPU, and as the dequantized
-weight's matmul elsewhere (``qtable.packed_linear``)."""
+weight's matmul elsewhere (``int4.packed_linear``)."""
 
 from __future__ import annotations
 
 import torch
 
-from .hub import local_folder
+from .int4 import dequantize, exact_scales, packed_linear, recover_grid, unpack_rows
 from .packed import CheckpointTensors, checkpoint_key
-from .qtable import dequantize, exact_scales, packed_linear, recover_grid, unpack_rows
 
 FORMATS = ("int4-bytes", "int4")  # codes one per byte, or eight per int32 word
 
@@ -75,12 +74,12 @@ def keep_linears_compressed(model, checkpoint, fmt: str, by_planes: bool = False
     dense weight's own 4-bit grid, recovered exactly (a weight off its grid is refused). The
     dense weights are freed. Returns where the codes came from, the count, and bytes before and
     after; a model with no linear to swap is refused, never timed under this name. ``by_planes``:
-    the packed product's form for a CPU (``qtable.packed_linear``)."""
+    the packed product's form for a CPU (``int4.packed_linear``)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
     before = after = 0
     built = {}
-    with CheckpointTensors(local_folder(checkpoint)) as tensors:
+    with CheckpointTensors(checkpoint.path) as tensors:
         packed = any(key.endswith(".weight_packed") for key in tensors.keys())
         for name, module in list(model.model.named_modules()):
             stem = checkpoint_key(f"model.{name}") + "."

@@ -15,9 +15,9 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .bench import time_fed, time_fn
 from .decode import Decoder, allocated_layers, cache_bytes, cache_read_bytes, greedy_step, kv_buffers
 from .sampling import greedy_config
+from .timing import time_fed, time_fn
 
 EMPTY = -1  # the position of a slot never written
 GROUPED = "grouped_sdpa"  # the attention implementation ``group_query_heads`` sets
@@ -399,31 +399,6 @@ def context_sweep(
     return rows
 
 
-def plot_sweep(rows: list[dict], title: str):
-    """Prefill time against prompt length, decode time per token against context length, a line
-    per cache; ``title`` names the model, the device and the run."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    x = [r["context"] for r in rows]
-    labels = {
-        "ring": "ring, one buffer length, compiled",
-        "buckets": "ring, length buckets, compiled",
-        "HF": "HF default cache, eager",
-    }
-    for ax, what, unit in ((axes[0], "prefill s", "prefill (s)"), (axes[1], "ms/token", "decode (ms per token)")):
-        for cache, label in labels.items():
-            if f"{cache} {what}" in rows[0]:
-                ax.plot(x, [r[f"{cache} {what}"] for r in rows], "o-", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt length (tokens)" if what == "prefill s" else "context (tokens)")
-        ax.set_ylabel(unit)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
-
-
 @torch.no_grad()
 def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
     """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
@@ -434,7 +409,7 @@ def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compile
     streamer does (else lazy XLA grows one graph over the whole run)."""
     from torch._dynamo.utils import counters
 
-    if compiled and backend.name == "xla":  # measured: SIGSEGV or SIGABRT at generate's stop check, twice of two
+    if compiled and not backend.runs_compiled_generate:
         raise NotImplementedError(
             "generate with a compiled forward over lazy XLA tensors crashes torch_xla 2.9's process: "
             "on xla use RingDecoder.generate (compiled with openxla) or compiled=False"

@@ -11,9 +11,8 @@ import functools
 import torch
 
 from .backend import Backend, get_backend
-from .bench import time_fn
 from .decode import cache_read_bytes
-from .sources import V5E_BYTES_PER_S
+from .timing import time_fn
 
 READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread
 
@@ -33,8 +32,8 @@ def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
     (a busy machine shows there); on a TPU, the published v5e figure. Not a matrix-vector
     product: on a CPU the compiled step's own loops read faster than MKL's
     (``benchmarks/matvec.py``)."""
-    if backend.name == "tpu":
-        return V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s"
+    if backend.published_bandwidth:
+        return backend.published_bandwidth
     best, spread = _probe(backend.name, str(backend.device), megabytes)
     return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
 

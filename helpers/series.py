@@ -6,25 +6,28 @@ above the lesson modules: it calls them in the order the notebooks do."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 
 import torch
 
 from . import checkpoint as ck
 from . import decode, generate, hub, qtable, ring
 from .backend import Backend
+from .results import run_dir, update_json
 
 
 @dataclasses.dataclass
 class Series:
     """What the series has built so far on one backend."""
 
-    checkpoint: hub.Checkpoint
+    checkpoint: ck.Checkpoint
     model: torch.nn.Module  # the text decoder on the backend's device
     tokenizer: object
     ids: torch.Tensor  # the series' chat prompt, [1, L] int64 on the device, BOS first
     new_tokens: int  # the series' generation length on this backend
     reference: list[int]  # notebook 03's tokens (HF generate), up to and including the stop
-    timed_tokens: int  # tokens per timed run on this backend (``checkpoint.timed_length``)
+    timed_tokens: int  # tokens per timed run on this backend (``Backend.timed_length``)
     table: dict | None = None  # notebook 05's report, once the per-layer table is in 4-bit
     _reference_model: torch.nn.Module | None = dataclasses.field(default=None, repr=False)
     _verdicts: dict = dataclasses.field(default_factory=dict, repr=False)  # tokens -> Verdict
@@ -81,9 +84,9 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
     checkpoint, model, tokenizer, ids = load_for_series(backend)
     print(checkpoint)
     print(backend.describe())
-    new_tokens = ck.generation_length(backend)
-    reference = generate.reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens, folder)
-    series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference, ck.timed_length(backend))
+    new_tokens = backend.generation_length
+    reference = reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens, folder)
+    series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference, backend.timed_length)
     if after >= 4:
         with torch.no_grad():
             model(ids)  # the first forward decompresses the weights, as generate's did
@@ -93,3 +96,44 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
     if after >= 6:
         ring.group_query_heads(model)
     return series
+
+
+# --- the reference tokens -------------------------------------------------------------------
+def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int) -> str:
+    """Model, backend, prompt and length: a reference is only valid for the same four."""
+    prompt = hashlib.sha256(json.dumps(ids[0].tolist()).encode()).hexdigest()[:12]
+    return f"{checkpoint.name}|{backend.name}|prompt {prompt}|{new_tokens} tokens"
+
+
+def save_reference(
+    checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None
+) -> str:
+    """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped)."""
+    key = reference_key(checkpoint, backend, ids, new_tokens)
+    update_json(run_dir(folder) / "reference_tokens.json", lambda saved: {**saved, key: tokens})
+    return key
+
+
+def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, folder=None) -> list[int]:
+    """The reference tokens notebook 03 saved for this model, backend, prompt and length."""
+    path = run_dir(folder) / "reference_tokens.json"
+    key = reference_key(checkpoint, backend, ids, new_tokens)
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if key not in saved:
+        known = "; ".join(saved) or "none"
+        raise LookupError(
+            f"no reference tokens for {key} in {path} (saved: {known}): run notebook 03 first, same settings"
+        )
+    return saved[key]
+
+
+def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int, folder=None) -> list[int]:
+    """Notebook 03's reference tokens from the run folder; where this run has none (a notebook
+    opened on its own), HF generate makes them now, and says so."""
+    try:
+        return load_reference(checkpoint, backend, ids, new_tokens, folder)
+    except LookupError:
+        print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
+        tokens, _, _ = generate.generate(model, tokenizer, ids, backend, new_tokens)
+        save_reference(checkpoint, backend, ids, new_tokens, tokens, folder)
+        return tokens

@@ -21,7 +21,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from . import tpu_chips
+from .tpu import tpu_chips
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # What the notebooks import; the test tools sit in requirements.txt only, and are never installed here.

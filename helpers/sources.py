@@ -1,6 +1,8 @@
 """What others measured, each figure with where it comes from: the only place the course types
-a number it did not measure or compute. Everything else a notebook shows is measured in its
-run or computed from the real configuration.
+a number it did not measure or compute, but for two kinds kept where they are used: the
+published specs of the TPU the course targets (``backend.V5E_*``: bandwidth, peaks, the HBM a
+v5e-1 gives programs) and the source's long context (``e2b.CONTEXT``, 131,328 positions).
+Everything else a notebook shows is measured in its run or computed from the real configuration.
 
 The source study is "PyTorch on TPU: Hands On With Colab": Gemma 4 E2B (4-bit QAT) with
 PyTorch on one Colab TPU v5e-1 (16 GB of HBM on Google's page), one optimization at a time.
@@ -14,31 +16,14 @@ COMPILED_STEP_TOK_S = 32  # one compiled decode step: 31-33 tok/s
 TABLE_4BIT_TOK_S = 50  # + the per-layer table in 4-bit: 50 tok/s
 RING_TOK_S = 38  # + the ring cache: 38-45 tok/s, 38 at long context
 RING_TOK_S_RANGE = (38, 45)
-# The context its ring cache held: 131,328 positions.
-CONTEXT = 131_328
 
 # Peers, on a Colab TPU v5e-1, batch 1, each its author's own figure.
 JAX_BF16_TOK_S = 135.0  # a pure-JAX engine, bf16 weights unpacked once at load (xbill9/colab-jax,
 #                         article 02-e2b-repack-vs-stock)
-JAX_W4_TOK_S = 93.7  # the same engine, the 4-bit weights unpacked every step (same article)
-VLLM_TOK_S = 123.7  # vLLM on TPU, one request at context 128 (xbill9/gemma4-dev, serving report)
 
 # vLLM TPU on a v5e-1, E2B, one request (xbill9/gemma4-dev, jev-tpu-v5e1/README.md): bf16, W8A8 made
 # from the QAT weights, and each with Google's assistant drafting 4 tokens (load prompts run with
-# ignore_eos); the mean accepted length, with W8A8; W8A8's quality against bf16 on the README's
+# ignore_eos); W8A8's quality against bf16 on the README's
 # 3,880-record suite (+0.003, -0.007 to +0.013) and on GSM8K (-2.0 points, devto-gemma4-qat-v5e1.md)
 VLLM_E2B_TOK_S = {"bf16": 144, "W8A8": 220, "bf16 + assistant": 346, "W8A8 + assistant": 395}
-VLLM_ACCEPTED_LENGTH = 3.21
 W8A8_VS_BF16 = {"suite": 0.003, "GSM8K points": -2.0}
-# v5e's int8 peak, "393 TOPS (exactly 2x bf16)", the vendor's figure as quoted in xbill9/gemma4-dev,
-# tpu-vllm-v5e1-2b/devto-vllm-gemma4-e2b-v5e1.md
-V5E_INT8_OPS = 393e12
-# Google's published HBM bandwidth and bf16 peak of one TPU v5e chip.
-V5E_BYTES_PER_S = 819e9
-V5E_BF16_FLOPS = 197e12
-# The HBM a v5e-1 gives programs, in the device's own units: 15.75 GiB, as it reported itself to
-# vLLM TPU ("total_hbm_limit_gb=15.75GiB", xbill9/gemma4-dev, jev-tpu-v5e1/evidence-v5e1/
-# kv-and-memory.txt); Google's page says "16 GB" of HBM. Where a device is at hand, its own
-# reported limit is used instead (``Backend.memory_total``).
-V5E_HBM_GIB = 15.75
-V5E_HBM_BYTES = int(V5E_HBM_GIB * 2**30)

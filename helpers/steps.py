@@ -13,17 +13,18 @@ import torch
 from . import checkpoint as ck
 from . import modes, programs, roofline, sources
 from .backend import Backend, CompileCount
-from .bench import Results, time_fn
 from .decode import Decoder, device_bytes, kv_buffers, timed_generate
 from .e2b import kv_cache_bytes
 from .fused import fuse_projections
 from .qlinear import keep_linears_compressed
 from .qtable import keep_embed_in_4bit
+from .results import Results
 from .series import Series
+from .timing import time_fn
 
-MODES = "01 modes"
+MODES = "01 execution modes"
 LOADING = "02 loading"
-BASELINE = "03 baseline"
+BASELINE = "03 baseline generate"
 COMPILED = "04 compiled decode"
 TABLE = "05 4-bit table"
 RING = "06 ring cache"
@@ -53,7 +54,7 @@ def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) ->
 
 
 # --- 01 ----------------------------------------------------------------------------------------
-def modes_step(backend: Backend, results: Results, **options) -> list[dict]:
+def record_modes(backend: Backend, results: Results, **options) -> list[dict]:
     """Compare the modes and record one results row per mode, the source's figure beside
     ours on the compile row."""
     rows = modes.compare_modes(backend, **options)
@@ -63,7 +64,7 @@ def modes_step(backend: Backend, results: Results, **options) -> list[dict]:
             row["mode"],
             backend=backend.name,
             model="op stack",
-            real_model=backend.name == "tpu",  # the source's experiment: any op stack on a TPU
+            real_model=backend.on_tpu,  # the source's experiment: any op stack on a TPU
             ms=row["median_ms"],
             speedup_vs_eager=row["speedup_vs_eager"],
             source_speedup=sources.COMPILE_SPEEDUP if row["mode"] == "compile" else None,
@@ -186,7 +187,7 @@ def measure_variants_in_place(
         torch._dynamo.reset()  # count this variant's compilations only
         backend.reset_peak_memory()
         decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
-        folder = programs.dump_folder() if backend.name == "xla" else None
+        folder = backend.xla_dump_folder
         with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
             with backend.compile_counter() as count:
                 first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)

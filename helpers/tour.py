@@ -18,7 +18,8 @@ import time
 
 from tqdm.auto import tqdm
 
-from .bench import RUN_DIR_VAR, Results, closing_charts, run_dir
+from .charts import closing_charts
+from .results import RUN_DIR_VAR, Results, run_dir
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged

@@ -29,6 +29,8 @@ import pathlib
 
 import torch
 
+from .backend import GENERATION_TOKENS
+from .checkpoint import PROMPT
 from .packed import GROUP_SIZE
 
 TWIN_VERSION = 4  # bump when the twin changes, so cached copies are rebuilt
@@ -80,7 +82,6 @@ CHAT_TEMPLATE = (
     "{% for m in messages if m['role'] != 'system' %}<|turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
     "{{ m['content'] }}<turn|>\n{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}"
 )
-PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
 # What the twin learns to answer: short turns about the course. The series' prompt is the first.
 CHATS = [
     (
@@ -268,7 +269,7 @@ def _build_twin(folder: pathlib.Path, seed: int) -> None:
     }
     answer = _greedy_answer(model, tokenizer)
     if not answer.endswith("<turn|>"):
-        raise RuntimeError(f"the twin did not learn to end its turn within {ANSWER_TOKENS} tokens: {answer!r}")
+        raise RuntimeError(f"the twin did not learn to end its turn within {GENERATION_TOKENS} tokens: {answer!r}")
 
     apply_quantization_config(model, quantization_config())
     for module in model.modules():
@@ -296,9 +297,6 @@ def _build_twin(folder: pathlib.Path, seed: int) -> None:
     )
 
 
-ANSWER_TOKENS = 32  # the series' generation length
-
-
 def _greedy_answer(model, tokenizer) -> str:
     """The twin's greedy answer to the series' prompt, special tokens kept, computed in float32
     as the series runs it (on a float32 copy: ``model`` is left as it is)."""
@@ -311,7 +309,7 @@ def _greedy_answer(model, tokenizer) -> str:
             .float()
             .generate(
                 ids,
-                max_new_tokens=ANSWER_TOKENS,
+                max_new_tokens=GENERATION_TOKENS,
                 do_sample=False,
                 eos_token_id=tokenizer.convert_tokens_to_ids(STOP_TOKENS),
             )

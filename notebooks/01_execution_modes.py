@@ -113,8 +113,8 @@ helpers.show(helpers.op_stack)
 import torch
 
 results = helpers.Results()
-rows = helpers.steps.modes_step(backend, results)
-print(helpers.bench.table(rows))
+rows = helpers.steps.record_modes(backend, results)
+print(helpers.tables.table(rows))
 
 x = torch.randn(256, 256).to(backend.device)
 outs = [backend.in_mode(helpers.op_stack, mode)(x).cpu() for mode in backend.modes]
@@ -160,7 +160,7 @@ for mode in backend.modes:
     if mode == "eager":
         continue
     demo = helpers.shape_demo(backend, mode, sizes=(64, 64, 128, 128, 96))
-    print(f"-- {mode}\n" + helpers.bench.table(demo))
+    print(f"-- {mode}\n" + helpers.tables.table(demo))
     assert [r["new_compilations"] for r in demo] == [1, 0, 1, 0, 1], demo
 
 # %% [markdown]
@@ -184,7 +184,7 @@ for mode in backend.modes:
 # dominate; one fused program pays for its bytes, so it grows nearer four times.
 bigger = helpers.modes.compare_modes(backend, size=512, repeats=5)
 print(
-    helpers.bench.table(
+    helpers.tables.table(
         [{"mode": a["mode"], "ms at 256": a["median_ms"], "ms at 512": b["median_ms"]} for a, b in zip(rows, bigger)]
     )
 )

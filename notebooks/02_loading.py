@@ -118,7 +118,7 @@ print(backend.describe())
 # the model ties `lm_head` to `embed_tokens`.
 
 # %%
-from helpers.bench import fmt_bytes, table
+from helpers.tables import fmt_bytes, table
 
 print(table(helpers.checkpoint.name_map(checkpoint)))
 print("mapping given to from_pretrained(key_mapping=...):", helpers.packed.KEY_MAPPING)
@@ -153,11 +153,11 @@ assert "linears (276)" in by_name  # the checkpoint's 276 packed linears
 # 06), K and V in int8.
 
 # %%
-v5e_hbm = helpers.sources.V5E_HBM_BYTES  # 15.75 GiB: what a v5e-1 reports it gives programs
+v5e_hbm = helpers.backend.V5E_HBM_BYTES  # 15.75 GiB: what a v5e-1 reports it gives programs
 print(helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=v5e_hbm, where="an empty v5e-1"))
 try:
     helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
-except helpers.hub.CheckpointError as err:
+except helpers.checkpoint.CheckpointError as err:
     print(err)
 print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.e2b.fit_options(e2b)]))
 
@@ -190,7 +190,7 @@ import torch
 
 tokenizer = helpers.checkpoint.load_tokenizer(checkpoint)
 ids = helpers.checkpoint.chat_ids(tokenizer, backend.device)  # the series' chat prompt, BOS in front
-new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla, where generate compiles every step
+new_tokens = backend.generation_length  # 32; 8 on xla, where generate compiles every step
 with torch.no_grad():
     model(ids)
 backend.sync()
@@ -244,7 +244,7 @@ def by_kind(report):
     return {k: sum(r["bytes"] for r in report if r["kind"] == k) for k in dict.fromkeys(r["kind"] for r in report)}
 
 
-fig = helpers.bench.stacked_bars(
+fig = helpers.charts.stacked_bars(
     {
         "default,\nafter load": by_kind(after_load),
         "default,\nafter 1st forward": by_kind(after_forward),

@@ -92,8 +92,8 @@ backend = helpers.get_backend()
 checkpoint, model, tokenizer, ids = helpers.series.load_for_series(backend)
 print(checkpoint)
 print(backend.describe())
-new_tokens = helpers.checkpoint.generation_length(backend)  # 32; 8 on xla
-timed_tokens = helpers.checkpoint.timed_length(backend)  # per timed run: 128, enough for a steady rate; 8 on xla
+new_tokens = backend.generation_length  # 32; 8 on xla
+timed_tokens = backend.timed_length  # per timed run: 128, enough for a steady rate; 8 on xla
 print(f"prompt: {ids.shape[1]} tokens, BOS first: {bool(ids[0, 0] == tokenizer.bos_token_id)}")
 print(tokenizer.decode(ids[0]))
 
@@ -138,7 +138,7 @@ for mode, call in calls.items():
     )
     print(f"{mode}: first call {sum(call['first']):.2f} s, second call {sum(call['second']):.2f} s{counted}")
 counts = {f"{m}, first call": c["programs_first"] for m, c in calls.items() if c["programs_first"][0] is not None}
-fig = helpers.bench.step_plot(
+fig = helpers.charts.step_plot(
     {f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
     f"HF generate, {checkpoint.name} on {backend.name}: seconds per step (this run)",
     counts or None,
@@ -179,7 +179,8 @@ stops = helpers.sampling.stop_ids(model)
 ended = bool(streamed) and streamed[-1] in stops
 print(f"{len(streamed)} tokens; stop ids {stops} (the generation config's); ended its turn: {ended}")
 assert streamed == tokens  # equal lists: generate's eager program again, on the same inputs
-assert ended or not checkpoint.tiny or new_tokens < helpers.twin.ANSWER_TOKENS  # the twin ends its turn within 32
+within = helpers.backend.GENERATION_TOKENS  # the twin learned to end its turn within 32 tokens
+assert ended or not checkpoint.tiny or new_tokens < within
 
 # %% [markdown]
 # **What you should see:** the twin (trained for seconds on a few chat turns, then put on the
@@ -221,7 +222,7 @@ fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", st
 ops_e2b = helpers.generate.ops_per_step(helpers.e2b.meta_model(helpers.e2b.real_config()))
 ops_here = helpers.generate.ops_per_step(model)
 step_s = 1 / helpers.sources.HF_GENERATE_TOK_S
-read_s = helpers.e2b.step_figures()[0]["bytes_per_token"] / helpers.sources.V5E_BYTES_PER_S
+read_s = helpers.e2b.step_figures()[0]["bytes_per_token"] / helpers.backend.V5E_BYTES_PER_S
 print(
     f"E2B: {ops_e2b['compute']:,} ops that compute per decode step (+ {ops_e2b['views']:,} views); this model:"
     f" {ops_here['compute']:,}. At the source's {helpers.sources.HF_GENERATE_TOK_S} tok/s a step takes"
@@ -250,7 +251,7 @@ try:
 except RuntimeError as err:
     print("  default cache fails:", str(err).splitlines()[0])
     trapped = True
-assert trapped == (backend.name == "xla") or backend.name == "tpu"  # TorchTPU: as measured above
+assert trapped == backend.lazy or backend.on_tpu  # on a TPU: not run by the course's tests (no TPU here)
 with_static, _, out = helpers.generate.generate(model, tokenizer, short, backend, 2, cache_implementation="static")
 print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): works, tokens {with_static}")
 
@@ -262,13 +263,13 @@ print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): 
 # On Colab each notebook gets a fresh runtime and a fresh `/content`, so a run folder there
 # lasts one notebook. Mount Google Drive first (`from google.colab import drive;
 # drive.mount("/content/drive")`, before the set-up cell) and the run folder is
-# `MyDrive/gemma4-on-tpu/runs` (`helpers.bench.DRIVE_RUNS`): these tokens and the results
+# `MyDrive/gemma4-on-tpu/runs` (`helpers.results.DRIVE_RUNS`): these tokens and the results
 # table then carry to notebooks 04-07 and their closing charts show every step. Without it,
 # each later notebook makes the reference tokens again (it says so) and charts its own rows.
 
 # %%
-key = helpers.generate.save_reference(checkpoint, backend, ids, new_tokens, tokens)
-assert helpers.generate.load_reference(checkpoint, backend, ids, new_tokens) == tokens
+key = helpers.series.save_reference(checkpoint, backend, ids, new_tokens, tokens)
+assert helpers.series.load_reference(checkpoint, backend, ids, new_tokens) == tokens
 print("saved:", key, "| run folder:", helpers.run_dir().resolve())
 print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "source_tok_s"]))
 

@@ -97,7 +97,7 @@ import torch
 
 with torch.no_grad():
     model(ids)  # the first forward: compressed-tensors decompresses here, as in notebook 02
-print(helpers.bench.table(helpers.checkpoint.compression_report(model)))
+print(helpers.tables.table(helpers.checkpoint.compression_report(model)))
 try:
     helpers.decode.Decoder(model, backend, MAX_LEN).generate(ids, 2)
     print("compiled as is: nothing in the way on this backend (loaded with dequantize=True)")
@@ -118,13 +118,50 @@ assert report["modules with a wrapped forward"] == 0 and report["modules with fo
 
 # %% [markdown]
 # ## The step, and the loop around it
-# The whole lesson in a few lines. `Decoder.step` is what is compiled, once, as
+# The whole lesson in four lines, written here (and kept, the same, in `helpers.decode` for the
+# notebooks after this one; a test checks the two are the same): the last token and its
+# position in, the model's forward on the cache, the next token and its position out, all on
+# the device. Edit it and rerun the cells below it.
+
+# %%
+# @save helpers.decode
+from transformers import Cache
+
+
+def greedy_step(model, cache: Cache, token, position):
+    """One decode step: the last token in, the next greedy token and its position out."""
+    logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
+    return logits[:, -1].argmax(-1, keepdim=True), position + 1
+
+
+# %% [markdown]
+# Run as it is, eagerly: the prompt through it once (its last position's token is the first new
+# one), then each token fed straight back, on a static cache of `MAX_LEN` positions. Its tokens
+# are notebook 03's by the series' verdict (two programs: eager here, HF's `generate` there).
+
+# %%
+cache = helpers.decode.static_cache(model, MAX_LEN)
+with torch.no_grad():
+    token, position = greedy_step(model, cache, ids, torch.arange(ids.shape[1], device=ids.device)[None])
+    position, eager = position[:, -1:], [token.item()]
+    for _ in range(7):
+        token, position = greedy_step(model, cache, token, position)
+        eager.append(token.item())
+# the series' verdict over notebook 03's first 8 tokens, teacher-forced through the reference model
+verdict = helpers.checkpoint.compare_tokens(eager, reference[:8], series.reference_model(), ids)
+print(f"{len(eager)} tokens, eager: {tokenizer.decode(eager)!r}; {verdict}")
+assert verdict
+del cache
+
+# %% [markdown]
+# `Decoder.step` is this step with a sampler (the argmax here; notebook 08 gives it a
+# temperature) and the cache's buffers marked as written in place. It is compiled, once, as
 # `Decoder.decode_step`: the last token and its position in, the next token and position out,
-# the cache written in place, every tensor on the device. Its `sampler` takes the argmax here
-# (notebook 08 gives it a temperature; the seed is an input, so it is there from the start).
-# `Decoder.generate` is the loop that runs it: it feeds each token straight back through
-# `call` (one compiled call; notebook 07 makes it K tokens), reads the tokens to the host once
-# per chunk, and stops there after a stop id (`Stops`; notebook 08 adds stop strings).
+# the cache written in place, every tensor on the device (the sampler's seed is an input, so it
+# is there from the start). `Decoder.generate` is the loop that runs it: it feeds each token
+# straight back through `call` (one compiled call; notebook 07 makes it K tokens), reads the
+# tokens to the host once per chunk, and stops there after a stop id (`Stops`; notebook 08 adds
+# stop strings).
 
 # %%
 helpers.show(helpers.decode.Decoder.step, helpers.decode.Decoder.generate)
@@ -199,8 +236,8 @@ assert sum(counts) > 1
 
 # %%
 helpers.show(helpers.backend.Backend.donate)
-audit_folder = helpers.programs.dump_folder()
-if backend.name == "xla" and audit_folder:
+audit_folder = backend.xla_dump_folder
+if audit_folder:
     torch._dynamo.reset()
     with helpers.programs.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
         audited = helpers.decode.Decoder(model, backend, 2 * MAX_LEN)
@@ -208,7 +245,7 @@ if backend.name == "xla" and audit_folder:
     shapes = {helpers.programs.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
     audit = [row for row in (helpers.programs.audit(p, shapes) for p in programs) if row["cache_buffers"]]
     print(
-        helpers.bench.table(
+        helpers.tables.table(
             audit, ["program", "cache_buffers", "cache_aliased", "cache_bytes_copied", "s64_ops", "total_bytes"]
         )
     )
@@ -273,8 +310,10 @@ rows = [
 for row in rows:
     row["speedup_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
     row |= helpers.roofline.columns(step_bytes, row["decode_tok_s"], bandwidth)
-print(helpers.bench.table(rows))
-print(f"bytes read per step: {helpers.bench.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
+print(helpers.tables.table(rows))
+print(
+    f"bytes read per step: {helpers.tables.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})"
+)
 assert all(series.same_tokens(run["tokens"]) for run in runs.values())
 
 # %%
@@ -334,6 +373,6 @@ print(f"ceiling {ceiling:.0f} tok/s; measured {ours[16]:.1f}: {100 * ours[16] / 
 longer = helpers.decode.static_cache(model, 4 * MAX_LEN)  # allocated, not compiled
 more = helpers.roofline.step_bytes(model, longer) - step_bytes
 print(
-    f"{helpers.bench.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
+    f"{helpers.tables.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
     f" {bandwidth / (step_bytes + more):.0f} tok/s on this device"
 )

@@ -108,14 +108,16 @@ rate_bf16_table = helpers.decode.timed_generate(decoder, ids, timed_tokens, 16)[
 # padding.
 
 # %%
-from helpers.bench import fmt_bytes, table
+from helpers.tables import fmt_bytes, table
 
 e2b = {r["component"]: r for r in helpers.e2b.component_bytes(helpers.e2b.meta_model(helpers.e2b.real_config()))}
 ple = e2b["embed_tokens_per_layer"]
 saved = ple["bf16_bytes"] - ple["int4_bytes"]
 saved_exact = ple["bf16_bytes"] - ple["int4_exact_bytes"]
 row_words = helpers.packed.table_row_words(ple["shape"][1])
-padding = ple["int4_exact_bytes"] - helpers.packed.int4_bytes(ple["bf16_bytes"] // 2, scale_bytes=4)
+padding = ple["int4_exact_bytes"] - helpers.packed.int4_bytes(
+    ple["bf16_bytes"] // 2, scale_bytes=helpers.packed.TABLE_SCALE_BYTES
+)
 print(
     f"E2B per-layer table {ple['shape']}: {ple['bf16_bytes']:,} B in bf16 -> {ple['int4_bytes']:,} B in int4"
     f" with bf16 scales (saves {fmt_bytes(saved)}), {ple['int4_exact_bytes']:,} B with float32 steps in rows of"
@@ -134,7 +136,7 @@ assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720 and row_wor
 
 # %%
 figures = {r["step"]: r for r in helpers.e2b.step_figures()}
-before, after = figures["04 compiled step"], figures["05 4-bit table"]
+before, after = figures["04 compiled decode"], figures["05 4-bit table"]
 cols = ple["shape"][1]
 row_bf16, row_int4 = cols * 2, row_words * 4
 print(
@@ -160,7 +162,7 @@ assert before["weights_on_device"] - after["weights_on_device"] == saved_exact
 
 # %%
 gap_s = 1 / helpers.sources.COMPILED_STEP_TOK_S - 1 / helpers.sources.TABLE_4BIT_TOK_S
-copy_s = 2 * ple["bf16_bytes"] / helpers.sources.V5E_BYTES_PER_S
+copy_s = 2 * ple["bf16_bytes"] / helpers.backend.V5E_BYTES_PER_S
 print(
     f"the source's steps: {1e3 / helpers.sources.COMPILED_STEP_TOK_S:.1f} and"
     f" {1e3 / helpers.sources.TABLE_4BIT_TOK_S:.1f} ms, {1e3 * gap_s:.1f} ms apart; a read and a write of the"
@@ -171,10 +173,48 @@ print(
 # ## The lookup, in 4-bit
 # What runs inside the compiled step for every token: gather the token's packed row (eight
 # 4-bit codes per int32 word) and its group scales, unpack, multiply, round as bf16 rounds the
-# grid's products. Only the rows of the current tokens are ever dequantized.
+# grid's products. Only the rows of the current tokens are ever dequantized. The unpacking and
+# the products are written here (and kept, the same, in `helpers.int4`, which notebook 07's
+# int4 linears use too; a test checks the two are the same); `QTable.rows` is the gather
+# around them.
 
 # %%
-helpers.show(helpers.qtable.QTable.rows, helpers.qtable.unpack_rows, helpers.qtable.dequantize)
+# @save helpers.int4
+from helpers.packed import GROUP_SIZE  # 32 values per scale, the checkpoint's group
+
+
+def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
+    """int4 codes from int32 words, eight per word, low nibble first: compressed-tensors'
+    `pack-quantized` layout. Written out because compressed-tensors' own unpack returns wrong
+    codes on PyTorch/XLA (notebook 02): there `>>` of a negative int32 rounds like a division
+    (measured: codes off by one in words with the top bit set). So only non-negative words are
+    shifted: the sign bit is cleared first and given back as the top nibble's high bit. All in
+    int32: a TPU has no 64-bit integers, XLA would emulate every op over the table in pairs."""
+    return code_planes(packed).transpose(-1, -2).flatten(-2)
+
+
+def code_planes(packed: torch.Tensor) -> torch.Tensor:
+    """``unpack_rows``' codes by plane, [..., 8, words]: plane k holds every word's k-th code."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device).view(8, 1)
+    top = ((shifts + 4) & 32) >> 2  # the sign bit's place: 8 in the last nibble (shift 28), 0 elsewhere
+    negative = packed < packed.new_zeros(())  # an int32 zero: PyTorch/XLA compares with a Python 0 in 64 bits
+    nibbles = ((packed & 0x7FFFFFFF).unsqueeze(-2) >> shifts) & 15
+    return (nibbles | negative.to(torch.int32).unsqueeze(-2) * top) - 8
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scales (one per group of 32 along the last dimension) as the grid's values."""
+    return grid_values(codes, scales.float().repeat_interleave(GROUP_SIZE, dim=-1), dtype)
+
+
+def grid_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes x scales (broadcast to the codes) rounded to bf16, as the QAT grid's values are (and
+    compressed-tensors' bf16 dequantization gives), then in ``dtype``."""
+    return (codes.float() * scales.float()).to(torch.bfloat16).to(dtype)
+
+
+# %%
+helpers.show(helpers.qtable.QTable.rows)
 
 # %% [markdown]
 # ## Recover the grid, build the 4-bit table, swap it in
@@ -214,6 +254,12 @@ random_ids = torch.randint(0, old_table.num_embeddings, (4, 64), generator=torch
 same_rows = all(torch.equal(qtable(c).cpu(), old_table(c).cpu()) for c in (ids_to_check, random_ids))
 print("rows equal bit for bit (first and last id, repeated ids, a batch of random ids):", same_rows)
 assert same_rows == report["exact grid"] or not checkpoint.tiny
+# the rows again with the functions written above, from the table's own words: the same code on
+# the same words, so bit for bit
+gathered = qtable.table[ids_to_check]
+steps = gathered[..., qtable.words : qtable.words + qtable.groups].view(torch.float32)
+written = dequantize(unpack_rows(gathered[..., : qtable.words]), steps, qtable.dtype)
+assert torch.equal(written, qtable.rows(ids_to_check))
 del old_table
 after = backend.memory()
 print(f"table: {fmt_bytes(report['bytes before'])} -> {fmt_bytes(report['bytes after'])} on {backend.device}")
@@ -222,7 +268,7 @@ if before is not None:
 print(table(helpers.checkpoint.memory_report(model)))
 
 # %%
-fig = helpers.bench.stacked_bars(helpers.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)")
+fig = helpers.charts.stacked_bars(helpers.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)")
 
 # %% [markdown]
 # ## Same tokens, still one compile
@@ -309,7 +355,7 @@ print(
 # @title Solution 1 (open it after you predicted)
 # Not at all at the ceiling: a gather reads one row in either format (the same bytes per step).
 # Measured here, side by side above: the 4-bit row costs an unpack, the bytes barely change.
-ratio = figures["04 compiled step"]["bytes_per_token"] / figures["05 4-bit table"]["bytes_per_token"]
+ratio = figures["04 compiled decode"]["bytes_per_token"] / figures["05 4-bit table"]["bytes_per_token"]
 print(f"E2B's bytes per step, bf16 table over 4-bit table: {ratio:.6f}")
 print(f"measured here: {rate / rate_bf16_table:.2f}x")
 

@@ -84,7 +84,7 @@ helpers.install_missing()
 # %%
 import torch
 
-from helpers.bench import fmt_bytes, table
+from helpers.tables import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
@@ -101,7 +101,7 @@ print("sliding window:", config.sliding_window, "| layer kinds:", [t.split("_")[
 
 # %%
 e2b = helpers.e2b.real_config().get_text_config()
-E2B_CONTEXT = helpers.sources.CONTEXT  # the source's headline context
+E2B_CONTEXT = helpers.e2b.CONTEXT  # the source's headline context
 full_e2b = helpers.e2b.kv_cache_bytes(e2b, E2B_CONTEXT)
 ring_e2b = helpers.e2b.kv_cache_bytes(e2b, E2B_CONTEXT, ring=True)
 print(
@@ -110,7 +110,7 @@ print(
 )
 assert ring_e2b == 813_170_688 and full_e2b == 2_420_637_696
 weights_e2b = {k: v for k, v in helpers.e2b.bytes_by_step()["05 4-bit table"].items() if k != "KV cache"}
-fig = helpers.bench.stacked_bars(
+fig = helpers.charts.stacked_bars(
     {"full-length caches": weights_e2b | {"KV cache": full_e2b}, "ring cache": weights_e2b | {"KV cache": ring_e2b}},
     f"E2B device bytes at {E2B_CONTEXT:,} positions (computed, meta device)",
 )
@@ -134,7 +134,7 @@ fig = helpers.bench.stacked_bars(
 figures = helpers.e2b.step_figures()
 short, ring_step = figures[2], next(r for r in figures if r["step"].startswith("06"))
 extra = ring_step["bytes_per_token"] - short["bytes_per_token"]
-base_s, bandwidth_v5e = 1 / helpers.sources.TABLE_4BIT_TOK_S, helpers.sources.V5E_BYTES_PER_S
+base_s, bandwidth_v5e = 1 / helpers.sources.TABLE_4BIT_TOK_S, helpers.backend.V5E_BYTES_PER_S
 predicted = 1 / (base_s + extra / bandwidth_v5e)
 copied = 1 / (base_s + (extra + 2 * ring_step["cache_held"]) / bandwidth_v5e)
 print(
@@ -172,8 +172,9 @@ helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks, helper
 # **What we test:** E2B has 8 query heads and one K/V head. transformers' SDPA attention gives
 # each query head its own copy of K and V (`repeat_kv`) whenever it gets a mask, and in every
 # compiled graph: at 131,328 positions a full layer's K repeated is 1.08 GB in bf16, more than
-# the whole ring (the last section computes it from the real configuration). `grouped_attention`
-# stacks the query heads that share a K/V head along the queries instead, and reads K and V once.
+# the whole ring (the last section computes it from the real configuration). `grouped_attention`,
+# written here (kept, the same, in `helpers.ring`; a test checks it), stacks the query heads that
+# share a K/V head along the queries instead, and reads K and V once.
 # It is registered through transformers' `AttentionInterface`, so the model calls it as it calls
 # its own. Here it gives transformers' values, on a full layer's shapes with a mask (a prefill
 # chunk's queries and a decode step's one), and from here on the model uses it. Two programs
@@ -181,8 +182,32 @@ helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks, helper
 # tolerance in `torch.testing` (rtol 1.3e-6, atol 1e-5), not equal bits; the largest
 # difference is printed.
 
+
+# %% tags=["grouped-attention"]
+# @save helpers.ring
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' SDPA attention with the query heads that share a K/V head stacked along the
+    queries ([B, H, S, D] -> [B, H_kv, H / H_kv * S, D]), so K and V are read as the cache holds
+    them. transformers' own SDPA attention repeats them for every query head (``repeat_kv``)
+    wherever a mask is given and in every compiled graph: a copy 8x a full layer's K and V at
+    E2B's one K/V head, 1.08 GB of K alone at 131,328 positions (``e2b.full_attention_bytes``).
+    Same arguments and return as transformers' attention functions."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError("grouped attention has no softcap, as SDPA's has none: use eager attention")
+    batch, heads, queries, dim = query.shape
+    groups = heads // key.shape[1]
+    query = query.reshape(batch, key.shape[1], groups * queries, dim)  # row g * S + i: head g's query i
+    if attention_mask is not None and queries > 1:
+        if attention_mask.shape[1] != 1:
+            raise ValueError(f"a mask per head ({attention_mask.shape[1]}) cannot be grouped: one for all heads")
+        attention_mask = attention_mask.repeat(1, 1, groups, 1)  # each head's queries see what query i sees
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+    )
+    return out.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
 # %% tags=["grouped-attention-check"]
-helpers.show(helpers.ring.grouped_attention)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 full_attn = model.model.layers[config.layer_types.index("full_attention")].self_attn
@@ -193,7 +218,7 @@ for queries in (1, 5):
     k, v = (torch.randn(1, kv_heads, 40, full_attn.head_dim) for _ in "kv")
     mask = torch.arange(40)[None, None, None, :] <= torch.arange(30, 30 + queries)[None, None, :, None]
     theirs, _ = sdpa_attention_forward(full_attn, q, k, v, mask, scaling=full_attn.scaling)
-    ours, _ = helpers.ring.grouped_attention(full_attn, q, k, v, mask, scaling=full_attn.scaling)
+    ours, _ = grouped_attention(full_attn, q, k, v, mask, scaling=full_attn.scaling)
     largest = (ours - theirs).abs().max().item()
     print(f"{queries} quer{'y' if queries == 1 else 'ies'}: largest difference from transformers' SDPA: {largest:.3g}")
     torch.testing.assert_close(ours, theirs)
@@ -390,11 +415,9 @@ except ValueError as err:
 
 # %%
 contexts = (48, 192, 1_600) if checkpoint.tiny else (1_536, 6_144, 102_400)
-sweep = helpers.ring.context_sweep(
-    big, contexts, steps=8, hf_default=backend.name in ("cpu", "cuda"), bucketed=bucketed
-)
+sweep = helpers.ring.context_sweep(big, contexts, steps=8, hf_default=not backend.defers_ops, bucketed=bucketed)
 print(table(sweep))
-fig = helpers.ring.plot_sweep(sweep, f"{checkpoint.name} on {backend.name}: measured in this run")
+fig = helpers.charts.plot_sweep(sweep, f"{checkpoint.name} on {backend.name}: measured in this run")
 assert [r["buckets bytes read"] for r in sweep] == sorted(r["buckets bytes read"] for r in sweep)  # bucket by bucket
 assert all(r["ring bytes read"] == sweep[0]["ring bytes read"] for r in sweep)  # one length: the same every step
 
@@ -420,7 +443,7 @@ print(
         ["step", "label", "backend", "decode_tok_s", "source_tok_s", "device_bytes", "compiles", "same_tokens"]
     )
 )
-figs = helpers.bench.closing_charts(results)
+figs = helpers.charts.closing_charts(results)
 
 # %% [markdown]
 # **What you should see:** the E2B cache at 813,170,688 bytes for 131,328 positions (a third
@@ -447,7 +470,7 @@ figs = helpers.bench.closing_charts(results)
 # Time adds: each step reads the full layers' buffers on top of notebook 05's step, at 819 GB/s;
 # the rate does not scale by the bytes' ratio, since the source's step ran well below the ceiling.
 base_s = 1 / helpers.sources.TABLE_4BIT_TOK_S
-for positions in (16_384, 65_536, helpers.sources.CONTEXT):
+for positions in (16_384, 65_536, helpers.e2b.CONTEXT):
     at = next(r for r in helpers.e2b.step_figures(ring_context=positions) if r["step"].startswith("06"))
     extra = at["bytes_per_token"] - short["bytes_per_token"]
     print(
@@ -465,8 +488,8 @@ for positions in (16_384, 65_536, helpers.sources.CONTEXT):
 quarter = helpers.ring.RingDecoder(model, backend, max_len=MAX_LEN, chunk_size=W // 4)
 with backend.compile_counter() as made:
     quarter.generate(ids, 2)
-timed = helpers.bench.time_fn(quarter.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
-again = helpers.bench.time_fn(decoder.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
+timed = helpers.timing.time_fn(quarter.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
+again = helpers.timing.time_fn(decoder.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
 print(
     f"{made.graphs} programs; prefill {timed.median:.3f} s in chunks of {W // 4}, {again.median:.3f} s in chunks of {W}"
 )
@@ -480,7 +503,7 @@ print(
 # @title Solution 3 (open it after you predicted)
 # Each bucket serves the contexts above the one below it; a step reads its own bucket's buffer.
 low = 0
-for bucket in (4_096, 16_384, 65_536, helpers.sources.CONTEXT):
+for bucket in (4_096, 16_384, 65_536, helpers.e2b.CONTEXT):
     at = next(r for r in helpers.e2b.step_figures(ring_context=bucket) if r["step"].startswith("06"))
     extra = at["bytes_per_token"] - short["bytes_per_token"]
     print(f"contexts {low + 1:,}-{bucket:,}: {1 / (base_s + extra / 819e9):.1f} tok/s (predicted)")

@@ -85,7 +85,7 @@ helpers.install_missing()
 
 # %%
 
-from helpers.bench import fmt_bytes, table
+from helpers.tables import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
@@ -119,16 +119,17 @@ print(
 best = figures[-1]
 e2b_model = helpers.e2b.meta_model(helpers.e2b.real_config())
 padding = sum(  # the two tables' rows padded to 128 words, beyond their codes and float32 steps
-    helpers.packed.table_bytes(*t.shape) - helpers.packed.int4_bytes(t.numel(), scale_bytes=4)
+    helpers.packed.table_bytes(*t.shape)
+    - helpers.packed.int4_bytes(t.numel(), scale_bytes=helpers.packed.TABLE_SCALE_BYTES)
     for t in (e2b_model.model.embed_tokens.weight, e2b_model.model.embed_tokens_per_layer.weight)
 )
 print(f"best variant: weights {fmt_bytes(best['weights_on_device'])}, of which padding {fmt_bytes(padding)}")
 assert best["weights_on_device"] - padding < 2.8e9 and best["bytes_per_token"] < 1.4e9
-fig = helpers.bench.ceiling_chart(
+fig = helpers.charts.ceiling_chart(
     figures,
     measured={  # the source's figures, each from its step's module
-        "03 HF generate": helpers.sources.HF_GENERATE_TOK_S,
-        "04 compiled step": helpers.sources.COMPILED_STEP_TOK_S,
+        "03 baseline generate": helpers.sources.HF_GENERATE_TOK_S,
+        "04 compiled decode": helpers.sources.COMPILED_STEP_TOK_S,
         "05 4-bit table": helpers.sources.TABLE_4BIT_TOK_S,
     },
     peer=("a pure-JAX engine, bf16 weights (xbill9/colab-jax)", helpers.sources.JAX_BF16_TOK_S),
@@ -156,12 +157,12 @@ fig = helpers.bench.ceiling_chart(
 step05 = figures[2]  # notebook 05's step: bf16 linears, 4-bit per-layer table
 flops = step05["flops_per_token"]
 intensity = flops / step05["bytes_per_token"]
-ridge = helpers.sources.V5E_BF16_FLOPS / helpers.sources.V5E_BYTES_PER_S
+ridge = helpers.backend.V5E_BF16_FLOPS / helpers.backend.V5E_BYTES_PER_S
 print(
     f"one E2B step: {flops / 1e9:.2f} GFLOP over {fmt_bytes(step05['bytes_per_token'])} read ="
     f" {intensity:.2f} FLOP/byte; v5e ridge point {ridge:.0f} FLOP/byte. At the v5e's peaks the step's"
-    f" arithmetic takes {flops / helpers.sources.V5E_BF16_FLOPS * 1e3:.3f} ms, its reads"
-    f" {step05['bytes_per_token'] / helpers.sources.V5E_BYTES_PER_S * 1e3:.2f} ms"
+    f" arithmetic takes {flops / helpers.backend.V5E_BF16_FLOPS * 1e3:.3f} ms, its reads"
+    f" {step05['bytes_per_token'] / helpers.backend.V5E_BYTES_PER_S * 1e3:.2f} ms"
 )
 assert intensity < 2 and ridge > 200
 
@@ -201,9 +202,63 @@ helpers.show(
     helpers.backend.Backend.use_matvec_loops,
     helpers.qlinear.QLinear.weight.fget,
     helpers.qlinear.QLinear.forward,
-    helpers.qtable.packed_linear,
     helpers.fused.Fused.part,
 )
+
+# %% [markdown]
+# The int4 product itself, in both forms, written here (kept, the same, in `helpers.int4`, where
+# `QLinear` calls it; a test checks the two are the same). Notebook 05 wrote the unpacking and
+# the products it uses.
+
+# %%
+# @save helpers.int4
+import torch
+
+from helpers.int4 import code_planes, dequantize, grid_values, unpack_rows  # notebook 05's
+
+
+def packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, by_planes: bool = False
+) -> torch.Tensor:
+    """``F.linear(x, weight)`` for the weight [out, in] that int32 words [out, in / 8] and their
+    scales [out, in / 32] hold, its values exactly the grid's (``dequantize``). As written for a
+    TPU (the default): the weight unpacked and dequantized, then a matmul, which XLA may fuse so
+    that the matrix unit reads the packed words. With ``by_planes`` (a CPU's form,
+    ``Backend.int4_by_planes``), one row of ``x`` (a decode step's) is multiplied plane by plane
+    instead: plane k holds every word's k-th code, which multiplies the inputs 8j + k, so each
+    word is read once and shifted by a constant per plane; elementwise work a TPU's vector unit
+    would do, not its matrix unit. The same products, summed in float32 in another order;
+    unpacked into columns, a CPU compiler interleaves the eight codes with a shift that varies
+    along the row and leaves the loop scalar (``benchmarks/int4_cpu.py``: five times slower at
+    E2B's widest linears)."""
+    if not by_planes or x.shape[:-1].numel() != 1:
+        return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
+    out, words = packed.shape
+    groups, per_group = scales.shape[-1], words // scales.shape[-1]  # 4 words per group of 32
+    planes = code_planes(packed).view(out, 8, groups, per_group)  # [out, plane, group, word]
+    weight = grid_values(planes, scales.view(out, 1, groups, 1), dtype)
+    inputs = x.reshape(groups, per_group, 8).permute(2, 0, 1)  # [plane, group, word], as the weight's
+    return (weight.float() * inputs.float()).sum((-3, -2, -1)).to(x.dtype).view(*x.shape[:-1], out)
+
+
+# %% [markdown]
+# Both forms on one random packed weight (4 x this model's hidden width by its width, on the
+# host), beside the dense weight's matmul: the same products, summed in another order, so within
+# float32's tolerance, not equal bits (the largest difference printed).
+
+# %%
+hidden = series.model.config.get_text_config().hidden_size
+out_features, in_features = 4 * hidden, hidden
+words = torch.randint(
+    -(2**31), 2**31 - 1, (out_features, in_features // 8), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
+)
+steps = torch.rand(out_features, in_features // 32, generator=torch.Generator().manual_seed(1)) / 64
+row = torch.randn(1, in_features, generator=torch.Generator().manual_seed(2))
+dense = torch.nn.functional.linear(row, dequantize(unpack_rows(words), steps, torch.float32))
+for form in (False, True):
+    product = packed_linear(row, words, steps, torch.float32, by_planes=form)
+    print(f"by_planes={form}: largest difference from the dense matmul {(product - dense).abs().max().item():.3g}")
+    torch.testing.assert_close(product, dense)
 
 # %% [markdown]
 # **What we test:** each variant, compiled anew: the same tokens as notebook 03, two graphs
@@ -218,7 +273,7 @@ helpers.show(
 # after another: the spread column (fastest over slowest run) says when the machine was busy.
 
 # %%
-ks = helpers.steps.KS[backend.name == "xla"]  # each K is a compile: fewer on XLA's CPU client
+ks = helpers.steps.KS[backend.lazy]  # each K is a compile: fewer on XLA's CPU client
 token = series.ids[:, :1]
 matmuls = helpers.fused.linear_calls(series.model, token)
 rows = helpers.steps.measure_variants_in_place(backend, series, ks=ks)  # the last variant fuses the model's projections
@@ -241,7 +296,7 @@ shown = [
 audited = [c for c in ("s64_ops", "cache_in_place", "largest_intermediate", "program_bytes") if c in rows[0]]
 print(table(rows, shown + audited))  # the audit columns: xla started with HELPERS_XLA_AUDIT=1 (notebook 04)
 assert all(r["same_tokens"] and r["compiles"] == 2 for r in rows), "every variant: notebook 03's tokens, one compile"
-fig = helpers.bench.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
+fig = helpers.charts.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
 
 # %% [markdown]
 # > **Aside: what XLA's CPU compiler made of these programs** (PyTorch/XLA readers; a TPU
@@ -292,8 +347,16 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07, {series.checkpoint.name} 
 # tok/s against 144 in bf16; made from the QAT weights, its quality was bf16's within noise on a
 # 3,880-record suite (+0.003, -0.007 to +0.013), and 2.0 points below on GSM8K
 # (xbill9/gemma4-dev, `jev-tpu-v5e1/README.md` and `devto-gemma4-qat-v5e1.md`; all in
-# `helpers.sources`). Those values are new weights, not the checkpoint's, so the course's rule
-# (the same tokens) rules it out here; it is the next step a server takes.
+# `helpers.sources`, printed below). Those values are new weights, not the checkpoint's, so the
+# course's rule (the same tokens) rules it out here; it is the next step a server takes.
+
+# %%
+src = helpers.sources
+print(f"others' figures, vLLM TPU on a v5e-1, E2B, one request (tok/s): {src.VLLM_E2B_TOK_S}")
+print(f"W8A8 over bf16 there: {src.VLLM_E2B_TOK_S['W8A8'] / src.VLLM_E2B_TOK_S['bf16']:.2f}x;", end=" ")
+v5e = helpers.backend
+print(f"the v5e's int8 peak {v5e.V5E_INT8_OPS / 1e12:.0f} TOPS, {v5e.V5E_INT8_OPS / v5e.V5E_BF16_FLOPS:.1f}x its bf16")
+print(f"W8A8's quality against bf16 (the suite's score, GSM8K's points): {src.W8A8_VS_BF16}")
 
 # %% [markdown]
 # ## Results
@@ -303,7 +366,7 @@ fig = helpers.bench.variant_chart(rows, f"notebook 07, {series.checkpoint.name} 
 results = helpers.Results()
 helpers.steps.record_variants(results, backend, rows)
 print(results.table(["step", "label", "backend", "decode_tok_s", "pct_of_bw", "same_tokens", "compiles"]))
-figs = helpers.bench.closing_charts(results)
+figs = helpers.charts.closing_charts(results)
 
 # %% [markdown]
 # ## Exercises

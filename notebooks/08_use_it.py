@@ -78,7 +78,7 @@ helpers.install_missing()
 import matplotlib.pyplot as plt
 import torch
 
-from helpers.bench import fmt_bytes, table
+from helpers.tables import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
@@ -90,11 +90,112 @@ MAX_LEN = 256 if checkpoint.tiny else 8192  # the chat's context: the full layer
 # **What we test:** transformers' `GenerationConfig` names (`do_sample`, `temperature`,
 # `top_k`, `top_p`) run by its own warpers, in `generate`'s order, on the device; one draw per
 # token by the [Gumbel-max](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#gumbel-max) trick: the argmax of the warped scores plus noise that is a fixed
-# function of (seed, position). No generator state lives in the compiled program, so a new
+# function of (seed, position), computed from a 32-bit integer hash in int32 words (a TPU has no
+# 64-bit integers). No generator state lives in the compiled program, so a new
 # seed is a new input, not a recompile, and one seed gives the same tokens twice.
 
+
 # %%
-helpers.show(helpers.sampling.Sampler.__call__, helpers.sampling.gumbel)
+# @save helpers.sampling
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x >> k`` on int32 words read as unsigned (1 <= k <= 31). The sign bit is cleared before
+    the shift and put back after it: PyTorch/XLA's ``>>`` of a negative int32 rounds like a
+    division (notebook 02), and a TPU has no 64-bit integers to widen into."""
+    return ((x & 0x7FFFFFFF) >> k) | ((x < 0).to(torch.int32) << (31 - k))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) on int32 tensors: products wrap mod 2**32,
+    so the bits are those of the unsigned hash."""
+    x = x ^ _shr(x, 16)
+    x = x * 0x7FEB352D
+    x = x ^ _shr(x, 15)
+    x = x * (0x846CA68B - 2**32)  # the constant as a signed 32-bit word
+    return x ^ _shr(x, 16)
+
+
+def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id), in 32-bit
+    integers (``seed`` and ``positions`` are read mod 2**32). Written by hand: torch's
+    generators keep state a compiled program cannot carry between calls, and integer arithmetic
+    gives the same noise on every backend."""
+    key = _mix32(_mix32(seed.view(1, 1).to(torch.int32)) ^ positions.view(-1, 1).to(torch.int32))
+    bits = _mix32(key ^ torch.arange(vocab, dtype=torch.int32, device=positions.device).view(1, -1))
+    uniform = (_shr(bits, 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
+    return -torch.log(-torch.log(uniform))
+
+
+# %% [markdown]
+# The noise, written here and kept, the same, in `helpers.sampling` (a test checks the two are
+# the same). A row depends on the seed and the position only: the same pair gives the same
+# noise, another position other noise. `Sampler` adds it to the warped scores and takes the
+# argmax, inside the compiled step:
+
+# %%
+noise = gumbel(torch.tensor([7]), torch.tensor([40, 40, 41]), 6)
+print(noise)
+assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])  # one computation, twice
+
+# %% [markdown]
+# The sampler, written here too (kept, the same, in `helpers.sampling`, which the decoders'
+# compiled steps call): transformers' own warpers, in `generate`'s order, then the argmax of the
+# scores plus the noise; greedy is the argmax alone.
+
+# %%
+# @save helpers.sampling
+from transformers import GenerationConfig
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from helpers.sampling import UNSUPPORTED  # what the compiled step refuses: min_p, typical_p, ...
+
+
+class Sampler:
+    """Chooses the next token from logits on the device.
+
+    Args: ``config``, a ``GenerationConfig`` (None or ``do_sample=False``: greedy). With
+    ``do_sample=True`` its ``temperature``, ``top_k`` and ``top_p`` are applied as ``generate``
+    applies them (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
+    ``TopPLogitsWarper``, in that order; a 1.0 or a 0/None is skipped, as there).
+
+    ``sampler(logits [N, vocab], positions [N] int64, seed [1] int64)`` returns tokens [N, 1]:
+    the argmax, or one draw from the warped distribution for each row, where row i's noise is a
+    fixed function of ``seed`` and ``positions[i]`` (the position the new token will take)."""
+
+    def __init__(self, config: GenerationConfig | None = None):
+        self.do_sample = bool(config is not None and config.do_sample)
+        self.warpers = LogitsProcessorList()
+        if not self.do_sample:
+            return
+        refused = [name for name in UNSUPPORTED if getattr(config, name, None) not in (None, 1.0)]
+        if refused:
+            raise ValueError(f"{', '.join(refused)}: not in the compiled step (temperature, top_k and top_p are)")
+        if config.temperature is not None and config.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=config.top_p))
+
+    def __repr__(self) -> str:
+        warpers = ", ".join(type(w).__name__ for w in self.warpers) or "none"
+        return f"Sampler(do_sample={self.do_sample}, warpers: {warpers})"
+
+    def scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token);
+        their softmax is the distribution one draw follows."""
+        return self.warpers(None, logits.float())
+
+    def __call__(self, logits: torch.Tensor, positions: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        if not self.do_sample:
+            return logits.argmax(-1, keepdim=True)
+        noise = gumbel(seed, positions, logits.shape[-1])
+        return (self.scores(logits) + noise).argmax(-1, keepdim=True)
+
 
 # %%
 settings = helpers.sampling.sampling_config(temperature=1.0, top_k=64, top_p=0.95)  # pick your own
@@ -115,7 +216,7 @@ assert runs[0] == one and again.graphs == 0  # equal lists: the same programs on
 # give, at temperature 1.5 so that more than one token has a chance.
 
 # %%
-hot = helpers.sampling.Sampler(helpers.sampling.sampling_config(temperature=1.5, top_k=64, top_p=0.95))
+hot = Sampler(helpers.sampling.sampling_config(temperature=1.5, top_k=64, top_p=0.95))
 with torch.no_grad():
     logits = model(ids).logits[:, -1].float()
 probs = hot.scores(logits).softmax(-1)[0].cpu()
@@ -203,7 +304,7 @@ with helpers.ring.inside_generate(model):
         return_dict_in_generate=True,
     )
 print(f"sampled on the ring: {out.sequences.shape[1] - long.shape[1]} tokens, {streamer.text!r}")
-if backend.name == "xla":  # the compiled forward crashed torch_xla 2.9's process here: refused, with the reason
+if not backend.runs_compiled_generate:  # it crashed torch_xla 2.9's process: refused, with the reason
     print("forward compiled: not on xla (RingDecoder.generate is its compiled path)")
 else:
     _, _, graphs = helpers.ring.generate_on_ring(model, long, backend, n, max_len=MAX_LEN, compiled=True)

@@ -141,3 +141,50 @@ def test_xla_counts_one_program_per_op_in_eager_and_one_per_call_fused():
 def test_xla_lazy_mode_compiles_per_new_shape():
     rows = helpers.shape_demo(get_backend("xla"), "defer_and_fuse", sizes=(24, 24, 40))
     assert [r["new_compilations"] for r in rows] == [1, 0, 1]
+
+
+def _policy_of(name: str) -> dict:
+    """A backend's policy, read without its hardware: the properties decide from the name."""
+    from helpers.backend import Backend
+
+    backend = object.__new__(Backend)
+    backend.name, backend.device = name, torch.device("cpu")
+    keys = ("defers_ops", "lazy", "on_tpu", "default_model", "generation_length", "timed_length")
+    keys += ("runs_compiled_generate", "load_device_map")
+    policy = {k: getattr(backend, k) for k in keys}
+    policy["published"] = backend.published_bandwidth is not None
+    return policy
+
+
+def test_each_backend_s_policy_is_one_table(monkeypatch):
+    monkeypatch.delenv("PJRT_DEVICE", raising=False)
+    tpu, xla, cuda, cpu = (_policy_of(n) for n in ("tpu", "xla", "cuda", "cpu"))
+    assert [p["default_model"] for p in (tpu, xla, cuda, cpu)] == ["e2b", "twin", "e2b if it fits", "twin"]
+    assert [p["defers_ops"] for p in (tpu, xla, cuda, cpu)] == [True, True, False, False]
+    assert [p["lazy"] for p in (tpu, xla, cuda, cpu)] == [False, True, False, False]
+    assert [p["generation_length"] for p in (tpu, xla, cuda, cpu)] == [32, 8, 32, 32]
+    assert [p["timed_length"] for p in (tpu, xla, cuda, cpu)] == [128, 8, 128, 128]
+    assert [p["runs_compiled_generate"] for p in (tpu, xla, cuda, cpu)] == [True, False, True, True]
+    assert xla["load_device_map"] == {"": "cpu"}  # accelerate cannot place onto an XLA device
+    assert [p["published"] for p in (tpu, xla, cuda, cpu)] == [True, False, False, False]
+    monkeypatch.setenv("PJRT_DEVICE", "TPU")  # PyTorch/XLA on a real TPU: a TPU's figures apply
+    assert _policy_of("xla")["on_tpu"] and _policy_of("xla")["published"]
+
+
+def test_no_module_notebook_or_benchmark_branches_on_the_backend_s_name():
+    """Backend policy is decided in backend.py: elsewhere a backend is asked what it does
+    (``backend.lazy``, ``backend.default_model``...), never compared by name."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).parent.parent
+    branch = re.compile(r"\bbackend\.name\s*(==|!=|in\b|not\s+in\b)")
+    files = [*root.glob("helpers/**/*.py"), *root.glob("notebooks/*.py"), *root.glob("benchmarks/*.py")]
+    found = [
+        f"{f.relative_to(root)}:{i}"
+        for f in files
+        if f.name != "backend.py"
+        for i, line in enumerate(f.read_text().splitlines(), 1)
+        if branch.search(line)
+    ]
+    assert len(files) > 30 and not found, found

@@ -18,7 +18,7 @@ from helpers import e2b, hub, packed, sampling, series, twin
 
 @pytest.fixture(scope="module")
 def tiny():
-    return hub.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
+    return ck.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
 
 
 def _one_line(err):
@@ -70,7 +70,7 @@ def test_e2b_kv_cache_bytes_equal_the_reference_figures():
 
 def test_preflight_refuses_with_the_numbers_and_what_to_change():
     config, cpu = e2b.real_config(), helpers.get_backend("cpu")
-    with pytest.raises(hub.CheckpointError) as err:
+    with pytest.raises(ck.CheckpointError) as err:
         ck.preflight(config, cpu, dequantize=True, available=4 * 10**9, where="v5e-1")
     text = _one_line(err)
     assert "9.26 GB" in text and "4.00 GB" in text and "HELPERS_MODEL=tiny" in text
@@ -95,7 +95,7 @@ def test_a_public_repository_is_read_without_a_token_and_none_is_looked_up(monke
     monkeypatch.delenv("HELPERS_MODEL", raising=False)
     chosen = hub.choose_checkpoint(TPU)
     assert not chosen.tiny and chosen.source == hub.REPO_ID and "(public)" in chosen.reason
-    assert hub.local_folder(chosen) == tmp_path
+    assert chosen.path == tmp_path
     assert asked == [False, False] and downloads[0]["token"] is False  # False: not even a stored token is sent
 
 
@@ -105,9 +105,18 @@ def test_a_gated_repository_without_a_token_is_one_clear_line_before_any_downloa
     monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
     monkeypatch.setattr(huggingface_hub, "auth_check", _gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
-    with pytest.raises(hub.CheckpointError) as err:
-        ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
+    with pytest.raises(ck.CheckpointError) as err:
+        hub.fetch(ck.Checkpoint(hub.REPO_ID, None, False, "test"))
     assert "the Hub says google/" in _one_line(err) and "is gated" in _one_line(err) and "HF_TOKEN" in _one_line(err)
+
+
+def test_a_checkpoint_is_read_from_its_folder_only_never_fetched_on_the_way(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
+    with pytest.raises(ck.CheckpointError) as err:
+        ck.load(ck.Checkpoint(hub.REPO_ID, None, False, "made by hand"), helpers.get_backend("cpu"))
+    assert "was not fetched" in _one_line(err) and "helpers.hub.fetch" in _one_line(err)
 
 
 def test_a_gated_repository_is_read_with_the_token_once_the_hub_says_so(monkeypatch):
@@ -117,7 +126,7 @@ def test_a_gated_repository_is_read_with_the_token_once_the_hub_says_so(monkeypa
     monkeypatch.setattr(huggingface_hub, "auth_check", lambda repo, token=None: token or _gated())
     monkeypatch.delenv("HELPERS_MODEL", raising=False)
     assert hub._hub_access(hub.REPO_ID) == ("hf_test", None)
-    assert "with your token" in hub.choose_checkpoint(TPU).reason
+    assert "with your token" in hub.choose_checkpoint(TPU, fetch_it=False).reason
 
 
 def test_licence_not_accepted_is_one_clear_line(monkeypatch):
@@ -126,13 +135,22 @@ def test_licence_not_accepted_is_one_clear_line(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_test")
     monkeypatch.setattr(huggingface_hub, "auth_check", _gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
-    with pytest.raises(hub.CheckpointError) as err:
-        ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "test"), helpers.get_backend("cpu"))
+    with pytest.raises(ck.CheckpointError) as err:
+        hub.fetch(ck.Checkpoint(hub.REPO_ID, None, False, "test"))
     assert "accept its licence at https://huggingface.co/google/" in _one_line(err)
     assert "HELPERS_MODEL" in str(err.value)
 
 
-TPU = type("FakeTPU", (), {"name": "tpu"})()  # only its name is read by choose_checkpoint
+def _policy_only(name: str):
+    """A backend of ``name`` without its hardware: choose_checkpoint reads only its policy."""
+    from helpers.backend import Backend
+
+    backend = object.__new__(Backend)
+    backend.name = name
+    return backend
+
+
+TPU = _policy_only("tpu")
 
 
 def test_a_token_stored_by_login_is_found(monkeypatch, tmp_path):
@@ -187,7 +205,7 @@ def test_hub_unreachable_takes_the_cached_snapshot(monkeypatch, tmp_path):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     chosen = hub.choose_checkpoint(TPU)
     assert not chosen.tiny and chosen.source == hub.REPO_ID and "cached snapshot" in chosen.reason
-    assert hub.local_folder(chosen) == snapshot
+    assert chosen.path == snapshot
 
 
 def test_unload_leaves_no_tensor_behind_even_with_compressed_tensors_cycles(tiny, capsys):
@@ -203,10 +221,10 @@ def test_unload_leaves_no_tensor_behind_even_with_compressed_tensors_cycles(tiny
 
 def test_not_a_gemma_checkpoint_is_one_clear_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(hub.CheckpointError) as err:
+    with pytest.raises(ck.CheckpointError) as err:
         ck.read_config(tmp_path)
     assert "'llama'" in _one_line(err) and "Gemma 4" in str(err.value)
-    with pytest.raises(hub.CheckpointError) as err:
+    with pytest.raises(ck.CheckpointError) as err:
         ck.read_config(tmp_path / "nowhere")
     assert "config.json" in _one_line(err)
 
@@ -217,10 +235,11 @@ def test_choose_checkpoint_without_a_tpu_takes_the_twin_and_says_why(monkeypatch
     assert chosen.tiny and "no TPU or GPU here (backend cpu)" in str(chosen)
     monkeypatch.setenv("HELPERS_MODEL", "some/repo")
     monkeypatch.setenv("HELPERS_REVISION", "abc123")
-    assert str(hub.choose_checkpoint(helpers.get_backend("cpu"))).startswith("real checkpoint: some/repo @ abc123")
+    chosen = hub.choose_checkpoint(helpers.get_backend("cpu"), fetch_it=False)
+    assert str(chosen).startswith("real checkpoint: some/repo @ abc123")
 
 
-CUDA = type("FakeCUDA", (), {"name": "cuda"})()  # only its name is read once the fit is stubbed
+CUDA = _policy_only("cuda")  # its fit is stubbed below
 
 
 def test_on_a_gpu_where_the_preflight_fits_googles_checkpoint_is_chosen_else_the_twin(monkeypatch):
@@ -229,11 +248,11 @@ def test_on_a_gpu_where_the_preflight_fits_googles_checkpoint_is_chosen_else_the
     monkeypatch.delenv("HELPERS_MODEL", raising=False)
     monkeypatch.setattr(huggingface_hub, "auth_check", lambda repo, token=None: None)
     monkeypatch.setattr(hub, "real_model_fits", lambda backend: (True, "E2B needs ~9.4 GB, 15.1 GB free"))
-    chosen = hub.choose_checkpoint(CUDA)
+    chosen = hub.choose_checkpoint(CUDA, fetch_it=False)
     assert not chosen.tiny and chosen.source == hub.REPO_ID
     assert chosen.reason == "a GPU where E2B fits (E2B needs ~9.4 GB, 15.1 GB free), and the Hub (public)"
     monkeypatch.setattr(hub, "real_model_fits", lambda backend: (False, "E2B needs ~9.4 GB, 7.5 GB free"))
-    chosen = hub.choose_checkpoint(CUDA)
+    chosen = hub.choose_checkpoint(CUDA, fetch_it=False)
     assert chosen.tiny and "a GPU too small for E2B (E2B needs ~9.4 GB, 7.5 GB free)" in str(chosen)
 
 
@@ -282,8 +301,8 @@ def test_a_checkpoint_missing_a_text_tensor_is_refused(tiny, tmp_path):
     tensors = load_file(broken / "model.safetensors")
     del tensors["model.language_model.layers.0.mlp.up_proj.weight_packed"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(hub.CheckpointError, match="lacks"):
-        ck.load(hub.Checkpoint(str(broken), None, True, "test"), helpers.get_backend("cpu"))
+    with pytest.raises(ck.CheckpointError, match="lacks"):
+        ck.load(ck.Checkpoint(str(broken), None, True, "test"), helpers.get_backend("cpu"))
 
 
 def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact(tiny, backend):
@@ -315,13 +334,13 @@ def _shard(source, folder):
         save_file({k: t for k, t in tensors.items() if shard[k] == i}, folder / name, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: names[i] for k, i in shard.items()}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return hub.Checkpoint(str(folder), None, True, "sharded")
+    return ck.Checkpoint(str(folder), None, True, "sharded")
 
 
 def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path, packed_table_twin):
     from helpers import qlinear, qtable
 
-    single = hub.Checkpoint(str(packed_table_twin), None, True, "one file")
+    single = ck.Checkpoint(str(packed_table_twin), None, True, "one file")
     sharded = _shard(pathlib.Path(single.source), tmp_path / "sharded")
     assert [p.name for p in pathlib.Path(single.source).glob("*.safetensors")] == ["model.safetensors"]
     cpu = helpers.get_backend("cpu")
@@ -353,7 +372,7 @@ def dense(tiny, tmp_path_factory):
     for path in pathlib.Path(tiny.source).iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "generation_config")):
             shutil.copy(path, folder / path.name)
-    return hub.Checkpoint(str(folder), None, False, "dense, as the QAT repository")
+    return ck.Checkpoint(str(folder), None, False, "dense, as the QAT repository")
 
 
 def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_switch(tiny, dense):

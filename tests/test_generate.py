@@ -60,22 +60,22 @@ def test_measure_reports_medians_and_the_same_tokens(setup):
 
 def test_reference_tokens_round_trip_and_a_fresh_load_reproduces_them(setup, tmp_path):
     backend, checkpoint, model, tokenizer, ids = setup
-    n = ck.generation_length(backend)
+    n = backend.generation_length
     tokens, _, _ = g.generate(model, tokenizer, ids, backend, n)
-    g.save_reference(checkpoint, backend, ids, n, tokens, tmp_path)
+    series.save_reference(checkpoint, backend, ids, n, tokens, tmp_path)
     _, fresh, _, _ = series.load_for_series(backend)
     again, _, _ = g.generate(fresh, tokenizer, ids, backend, n)
-    assert again == g.load_reference(checkpoint, backend, ids, n, tmp_path)
+    assert again == series.load_reference(checkpoint, backend, ids, n, tmp_path)
 
 
 def test_a_reference_for_another_length_or_prompt_is_refused(setup, tmp_path):
     backend, checkpoint, model, tokenizer, ids = setup
-    g.save_reference(checkpoint, backend, ids, 3, [1, 2, 3], tmp_path)
+    series.save_reference(checkpoint, backend, ids, 3, [1, 2, 3], tmp_path)
     with pytest.raises(LookupError, match="run notebook 03 first"):
-        g.load_reference(checkpoint, backend, ids, 4, tmp_path)
+        series.load_reference(checkpoint, backend, ids, 4, tmp_path)
     other = ck.encode(tokenizer, "another prompt", backend.device)
     with pytest.raises(LookupError, match="3 tokens"):  # the message lists what was saved
-        g.load_reference(checkpoint, backend, other, 3, tmp_path)
+        series.load_reference(checkpoint, backend, other, 3, tmp_path)
 
 
 def test_short_prompts_fail_with_hf_sliding_cache_only_on_xla_and_static_cache_works(setup):

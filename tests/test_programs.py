@@ -12,7 +12,7 @@ from conftest import needs_xla
 
 import helpers
 from helpers import decode, programs, qlinear, qtable, sampling
-from helpers.programs import AUDIT_VAR
+from helpers.backend import AUDIT_VAR, enable_dump
 from helpers.ring import RingDecoder, group_query_heads
 
 os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this target's process only
@@ -20,7 +20,7 @@ os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this 
 
 def _audits(decoder, series, **options) -> list[dict]:
     torch._dynamo.reset()
-    folder = programs.enable_dump()
+    folder = enable_dump()
     with programs.captured(folder) as compiled:
         tokens = decoder.generate(series.ids, series.new_tokens, **options)
     shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}

@@ -14,7 +14,7 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbed
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, hub, packed, series, twin
+from helpers import e2b, hub, int4, packed, series, twin
 from helpers import generate as g
 from helpers import qtable as q
 
@@ -38,9 +38,9 @@ def _grid_table(rows=64, cols=96, dtype=torch.bfloat16):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_grid_is_recovered_exactly(dtype):
     table = _grid_table(dtype=dtype)
-    codes, scales, found = q.recover_grid(table.weight.detach())
+    codes, scales, found = int4.recover_grid(table.weight.detach())
     assert found.all() and codes.dtype == torch.int8 and codes.min() >= -8 and codes.max() <= 7
-    assert scales.shape == (64, 3) and q.exact_scales(scales).dtype == torch.bfloat16  # its steps are bf16
+    assert scales.shape == (64, 3) and int4.exact_scales(scales).dtype == torch.bfloat16  # its steps are bf16
     rebuilt = (codes.float().reshape(64, 3, 32) * scales.float()[..., None]).reshape(64, 96).to(dtype)
     assert torch.equal(rebuilt, table.weight)
 
@@ -49,7 +49,7 @@ def test_the_peak_rounded_by_bf16_still_finds_its_scale():
     # codes (7, 1) x 1.15625: 7 x 1.15625 = 8.09375, which bf16 rounds to 8.125, and
     # bf16(8.125 / 7) is not 1.15625
     group = torch.tensor([[8.125, 1.15625] + [0.0] * 30], dtype=torch.bfloat16)
-    codes, scales, found = q.recover_grid(group)
+    codes, scales, found = int4.recover_grid(group)
     assert found.all() and torch.equal((codes.float() * scales.float()).to(torch.bfloat16), group)
 
 
@@ -75,7 +75,7 @@ def test_any_bf16_grid_table_is_recovered_bit_for_bit(groups):
         rows.append((codes * scale).to(torch.bfloat16))  # rounded once to bf16, as a QAT table is
     table = torch.stack(rows)
     assume(torch.isfinite(table.float()).all())
-    codes, scales, found = q.recover_grid(table)
+    codes, scales, found = int4.recover_grid(table)
     assert found.all()
     assert codes.min() >= -8 and codes.max() <= 7
     assert torch.equal((codes.float() * scales.float()).to(torch.bfloat16), table)
@@ -103,9 +103,9 @@ def test_a_table_of_bf16_level_times_float32_step_is_recovered_bit_for_bit(group
         ]
     )
     assume(torch.isfinite(table.float()).all() and (table.float().abs().amax(-1) > 1e-30).all())
-    codes, steps, found = q.recover_grid(table)
+    codes, steps, found = int4.recover_grid(table)
     assert found.all() and codes.min() >= -8 and codes.max() <= 7
-    assert torch.equal(q.dequantize(codes, steps, torch.bfloat16), table)
+    assert torch.equal(int4.dequantize(codes, steps, torch.bfloat16), table)
 
 
 def _on_some_grid(group: torch.Tensor) -> bool:
@@ -148,7 +148,7 @@ def test_recover_grid_agrees_with_an_exhaustive_search_over_float32_steps(groups
             group[0] = (group[:1].view(torch.int16) + nudge).view(torch.bfloat16)
         rows.append(group)
     table = torch.stack(rows)
-    found = q.recover_grid(table, group_size=4)[2].squeeze(1)
+    found = int4.recover_grid(table, group_size=4)[2].squeeze(1)
     assert found.tolist() == [_on_some_grid(row) for row in table]
 
 
@@ -169,7 +169,7 @@ def test_groups_on_no_grid_fall_back_to_compressed_tensors_and_the_report_counts
     table = _grid_table()
     with torch.no_grad():
         table.weight[3, :32] = torch.randn(32)  # one group off the grid
-    assert q.recover_grid(table.weight.detach())[2].sum() == 64 * 3 - 1
+    assert int4.recover_grid(table.weight.detach())[2].sum() == 64 * 3 - 1
     with pytest.raises(ValueError, match="1 groups of the table are on no 4-bit grid"):
         q.QTable.from_embedding(table, exact_only=True)
     module, report = q.QTable.from_embedding(table)
@@ -207,8 +207,8 @@ def test_the_unpack_matches_compressed_tensors_own():
 
     codes = torch.randint(-8, 8, (16, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(2))
     packed = pack_to_int32(codes, 4)
-    assert torch.equal(q.unpack_rows(packed), unpack_from_int32(packed, 4, codes.shape).to(torch.int32))
-    assert torch.equal(q.unpack_rows(packed).to(torch.int8), codes)
+    assert torch.equal(int4.unpack_rows(packed), unpack_from_int32(packed, 4, codes.shape).to(torch.int32))
+    assert torch.equal(int4.unpack_rows(packed).to(torch.int8), codes)
 
 
 def test_the_unpack_stays_in_32_bit_integers_and_never_shifts_a_negative_word():
@@ -231,7 +231,7 @@ def test_the_unpack_stays_in_32_bit_integers_and_never_shifts_a_negative_word():
             return out
 
     with Watch():
-        unpacked = q.unpack_rows(packed)
+        unpacked = int4.unpack_rows(packed)
     assert torch.equal(unpacked, codes.int()) and shifted and not any(shifted)
 
 
@@ -251,19 +251,21 @@ def test_a_decode_rows_product_by_plane_equals_the_matmul_of_the_unpacked_weight
     packed = pack_to_int32(codes, 4)
     assert (packed < 0).any()  # words with the sign bit set: the last plane's top bit
     x = torch.randn(1, 1, 256, generator=generator).to(dtype)
-    compiled = backend.compile(q.packed_linear, **backend.use_matvec_loops())
+    compiled = backend.compile(int4.packed_linear, **backend.use_matvec_loops())
     for scale_dtype in (torch.bfloat16, torch.float32):
         scales = (torch.rand(48, 256 // 32, generator=generator) / 7).to(scale_dtype)
-        weight = q.dequantize(q.unpack_rows(packed), scales, dtype)
+        weight = int4.dequantize(int4.unpack_rows(packed), scales, dtype)
         expected = torch.nn.functional.linear(x.double(), weight.double()).to(dtype)
-        for fn in (q.packed_linear, compiled):
+        for fn in (int4.packed_linear, compiled):
             for by_planes in (True, False):  # a CPU's form, and the TPU's (the dequantized weight's matmul)
                 got = fn(x, packed, scales, dtype, by_planes)
                 assert got.shape == (1, 1, 48) and got.dtype == dtype
                 torch.testing.assert_close(got, expected)  # a code read from the wrong nibble is ~0.1 off
         many = torch.randn(3, 256, generator=generator).to(dtype)  # a prefill's rows: the matmul itself
         # equal: for several rows packed_linear is this very F.linear, of the same values
-        assert torch.equal(q.packed_linear(many, packed, scales, dtype, True), torch.nn.functional.linear(many, weight))
+        assert torch.equal(
+            int4.packed_linear(many, packed, scales, dtype, True), torch.nn.functional.linear(many, weight)
+        )
 
 
 def test_each_row_is_its_codes_then_its_float32_steps_padded_to_128_words_for_a_tpus_gather():
@@ -283,12 +285,12 @@ def test_e2b_saving_and_stepwise_bytes_match_the_reference_figures():
     # rows padded to 1,408 words for a TPU's gather; with bf16 steps and no padding, the source's
     # arithmetic, it would be 1,321,205,760 B, saving 3.38 GB
     assert table["05 4-bit table"] == 262_144 * 1408 * 4 == 1_476_395_008
-    assert table["04 compiled step"] - table["05 4-bit table"] == 3_221_225_472
+    assert table["04 compiled decode"] - table["05 4-bit table"] == 3_221_225_472
 
 
 def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compile(loaded):
     backend, model, tokenizer, ids = loaded
-    n = ck.generation_length(backend)
+    n = backend.generation_length
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
     with torch.no_grad():
         model(ids)
@@ -309,7 +311,7 @@ def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows(p
     backend = helpers.get_backend()
     source, model, _, _ = series.load_for_series(backend)
     assert q.QTable.from_checkpoint(source, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
-    packed = hub.Checkpoint(str(packed_table_twin), None, True, "its per-layer table saved packed")
+    packed = ck.Checkpoint(str(packed_table_twin), None, True, "its per-layer table saved packed")
     table = model.model.embed_tokens_per_layer
     module, report = q.QTable.from_checkpoint(packed, "embed_tokens_per_layer", table)
     assert report["from"] == "packed in model.safetensors" and report["bytes after"] == module.nbytes()

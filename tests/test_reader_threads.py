@@ -1,5 +1,5 @@
 """What a reader runs, with a reader's threads: tests run one thread per worker, readers do not.
-Notebook 06's grouped-attention check, taken from the notebook itself, in a fresh Python with
+Notebook 06's grouped attention and its check, taken from the notebook itself, in a fresh Python with
 two threads, where two programs sum in another order than with one."""
 
 import os
@@ -31,7 +31,14 @@ def test_notebook_06s_grouped_attention_check_passes_with_two_threads():
     )
     env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
     run = subprocess.run(
-        [sys.executable, "-c", prelude + tagged_cell(NOTEBOOK, "grouped-attention-check")],
+        [
+            sys.executable,
+            "-c",
+            prelude
+            + tagged_cell(NOTEBOOK, "grouped-attention")
+            + "\n"
+            + tagged_cell(NOTEBOOK, "grouped-attention-check"),
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -220,7 +220,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     from helpers import qtable
 
     checkpoint, model, tokenizer, ids = series.load_for_series(backend)
-    n = ck.generation_length(backend)
+    n = backend.generation_length
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
     independent = ck.reference_model(checkpoint, ck.series_dtype(checkpoint))  # on the host
     d.strip_compressed_wrappers(model)

@@ -26,9 +26,11 @@ def test_e2b_figures_by_step_meet_the_targets_and_the_sources_ceilings():
     rows = {r["step"]: r for r in e2b.step_figures()}
     # the tables' float32 steps (exact for Google's tables), rows padded for a TPU: 6.04 GB at step 05
     assert round(rows["05 4-bit table"]["weights_on_device"] / 1e9, 2) == 6.04
-    assert round(rows["04 compiled step"]["ceiling_tok_s"]) == 179  # all bf16: 4.57 GB a token
-    assert round(rows["07 int4 linears"]["ceiling_tok_s"], -1) == 440  # int4 linears, bf16 head: ~438
-    best = rows["07 int4 linears, 4-bit head"]  # under 2.8 GB but for the tables' 25 MB of padding for a TPU
+    assert round(rows["04 compiled decode"]["ceiling_tok_s"]) == 179  # all bf16: 4.57 GB a token
+    assert round(rows["07 past the source, int4 linears"]["ceiling_tok_s"], -1) == 440  # int4 linears, bf16 head: ~438
+    best = rows[
+        "07 past the source, int4 linears, 4-bit head"
+    ]  # under 2.8 GB but for the tables' 25 MB of padding for a TPU
     assert 2.8e9 < best["weights_on_device"] < 2.8e9 + 25_165_824 and best["bytes_per_token"] < 1.4e9
     ring = rows["06 ring cache, 131,328 positions"]  # held once, read by every layer that reads it
     assert ring["cache_held"] == 813_170_688 and ring["cache_read"] == e2b.kv_read_bytes(

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, hub, qtable, sampling, synthetic, twin
+from helpers import e2b, int4, sampling, synthetic, twin
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_the_exports_file_set_names_dtypes_and_shapes(small):
 
 
 def test_it_loads_through_the_series_code_and_decodes_without_collapsing(small):
-    checkpoint = hub.Checkpoint(str(small), None, False, "synthetic, small")
+    checkpoint = ck.Checkpoint(str(small), None, False, "synthetic, small")
     model, _ = ck.load(checkpoint, helpers.get_backend("cpu"))
     tokenizer = ck.load_tokenizer(checkpoint)
     assert tokenizer.convert_tokens_to_ids(["<|turn>", "<turn|>"]) == [105, 106] and len(tokenizer) == 512
@@ -77,9 +77,9 @@ def test_it_loads_through_the_series_code_and_decodes_without_collapsing(small):
 def test_its_tables_are_on_a_grid_finer_than_bf16(small):
     with safe_open(small / "model.safetensors", "pt") as f:
         table = f.get_tensor("model.language_model.embed_tokens_per_layer.weight")
-    codes, steps, found = qtable.recover_grid(table)
-    assert found.all() and qtable.exact_scales(steps).dtype == torch.float32
-    assert torch.equal(qtable.dequantize(codes, steps, torch.bfloat16), table)
+    codes, steps, found = int4.recover_grid(table)
+    assert found.all() and int4.exact_scales(steps).dtype == torch.float32
+    assert torch.equal(int4.dequantize(codes, steps, torch.bfloat16), table)
 
 
 def test_at_full_size_the_layout_has_the_exports_tensors_and_bytes():

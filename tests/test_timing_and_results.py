@@ -6,7 +6,9 @@ import time
 import pytest
 
 import helpers
-from helpers.bench import Results, Timing, table, time_fed, time_fn
+from helpers.results import Results
+from helpers.tables import table
+from helpers.timing import Timing, time_fed, time_fn
 
 
 def test_time_fn_warms_up_syncs_every_call_and_keeps_the_median():
@@ -27,11 +29,14 @@ def test_timing_median():
 
 def test_results_replace_a_rerun_row_and_keep_the_others(tmp_path):
     results = Results(tmp_path)
-    results.add("01 modes", "eager", ms=2.0)
-    results.add("03 baseline", "generate", tok_s=5.0)
-    results.add("01 modes", "eager", ms=1.0)
+    results.add("01 execution modes", "eager", ms=2.0)
+    results.add("03 baseline generate", "generate", tok_s=5.0)
+    results.add("01 execution modes", "eager", ms=1.0)
     rows = Results(tmp_path).rows()  # read back from the file
-    assert [(r["step"], r["label"]) for r in rows] == [("01 modes", "eager"), ("03 baseline", "generate")]
+    assert [(r["step"], r["label"]) for r in rows] == [
+        ("01 execution modes", "eager"),
+        ("03 baseline generate", "generate"),
+    ]
     assert rows[0]["ms"] == 1.0
     text = results.table()
     assert "tok_s" in text and "1" in text.splitlines()[2]
@@ -39,7 +44,7 @@ def test_results_replace_a_rerun_row_and_keep_the_others(tmp_path):
 
 def test_rows_added_by_processes_side_by_side_are_all_kept(tmp_path):
     # two notebooks (parallel test workers, two Colab tabs) writing one run folder at once
-    add = "import sys; from helpers.bench import Results; r = Results(sys.argv[1]); [r.add('s', f'{sys.argv[2]}{i}') for i in range(200)]"
+    add = "import sys; from helpers.results import Results; r = Results(sys.argv[1]); [r.add('s', f'{sys.argv[2]}{i}') for i in range(200)]"
     writers = [subprocess.Popen([sys.executable, "-c", add, str(tmp_path), name]) for name in "ab"]
     assert [w.wait() for w in writers] == [0, 0]
     assert len(Results(tmp_path).rows()) == 400
@@ -48,7 +53,7 @@ def test_rows_added_by_processes_side_by_side_are_all_kept(tmp_path):
 def test_the_sources_figures_are_charted_only_beside_e2b_on_a_tpu_and_titles_name_model_device_run(tmp_path):
     results = Results(tmp_path / "run-a")
     twin = {"backend": "cpu", "model": "tiny-twin", "real_model": False}
-    results.add("03 baseline", "HF generate", decode_tok_s=1184.0, source_tok_s=5, **twin)
+    results.add("03 baseline generate", "HF generate", decode_tok_s=1184.0, source_tok_s=5, **twin)
     fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
     assert (tmp_path / "run-a" / "decode_tok_s.png").stat().st_size > 0
     bars = [p.get_height() for p in fig.axes[0].patches]
@@ -56,7 +61,7 @@ def test_the_sources_figures_are_charted_only_beside_e2b_on_a_tpu_and_titles_nam
     title = fig.axes[0].get_title()
     assert "tiny-twin on cpu, run run-a" in title and "not beside these" in title
     e2b = {"backend": "tpu", "model": "google/gemma-4-E2B-it-qat-w4a16-ct@main", "real_model": True}
-    results.add("03 baseline", "HF generate", decode_tok_s=4.8, source_tok_s=5, **e2b)
+    results.add("03 baseline generate", "HF generate", decode_tok_s=4.8, source_tok_s=5, **e2b)
     fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
     assert [p.get_height() for p in fig.axes[0].patches] == [4.8, 5]  # E2B on a TPU: the source beside it
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["this run", "source (TPU v5e-1)"]
@@ -78,7 +83,7 @@ def test_run_dir_goes_to_drive_where_it_is_mounted(tmp_path, monkeypatch):
     assert helpers.run_dir() == pathlib.Path("runs/latest")  # no Drive here
     mounted = tmp_path / "drive" / "MyDrive"
     mounted.mkdir(parents=True)
-    monkeypatch.setattr(helpers.bench, "DRIVE_RUNS", str(mounted / "gemma4-on-tpu" / "runs"))
+    monkeypatch.setattr(helpers.results, "DRIVE_RUNS", str(mounted / "gemma4-on-tpu" / "runs"))
     assert helpers.run_dir() == mounted / "gemma4-on-tpu" / "runs" and helpers.run_dir().is_dir()
 
 

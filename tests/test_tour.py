@@ -13,14 +13,14 @@ from helpers import tour
 def test_the_tour_runs_every_notebook_in_order_and_collects_their_rows(tmp_path, capsys):
     results = tour.main(["--backend", "cpu", "--run-dir", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "01 modes" in out and "02 loading" in out and "07 past the source" in out
+    assert "01 execution modes" in out and "02 loading" in out and "07 past the source" in out
     rows = results.rows()
     assert [(r["step"], r["label"]) for r in rows[:8]] == [
-        ("01 modes", "eager"),
-        ("01 modes", "compile"),
+        ("01 execution modes", "eager"),
+        ("01 execution modes", "compile"),
         ("02 loading", "compressed (default)"),
         ("02 loading", "dequantize=True"),
-        ("03 baseline", "HF generate"),
+        ("03 baseline generate", "HF generate"),
         ("04 compiled decode", "compiled step"),
         ("05 4-bit table", "4-bit table"),
         ("06 ring cache", "ring cache, 1,088 positions"),

@@ -14,6 +14,7 @@ from safetensors import safe_open
 import helpers
 from helpers import checkpoint as ck
 from helpers import e2b, hub, sampling, twin
+from helpers.backend import GENERATION_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +91,17 @@ def test_e2b_has_the_checkpoints_276_packed_linears_by_the_same_rule():
 
 
 def test_tables_are_bf16_level_times_a_step_finer_than_bf16(tensors):
-    from helpers import qtable
+    from helpers import int4
 
     for key in ("model.language_model.embed_tokens.weight", "model.language_model.embed_tokens_per_layer.weight"):
         table = tensors[key]
         assert table.dtype == torch.bfloat16
-        codes, steps, found = qtable.recover_grid(table)
-        assert found.all() and torch.equal(qtable.dequantize(codes, steps, torch.bfloat16), table)
+        codes, steps, found = int4.recover_grid(table)
+        assert found.all() and torch.equal(int4.dequantize(codes, steps, torch.bfloat16), table)
         # the real export's quirk: its steps are wider than bf16, so a bf16 scale per group does
         # not give every value back (published: ~74% of the real table's values), float32 ones do
-        assert qtable.exact_scales(steps).dtype == torch.float32
-        assert not torch.equal(qtable.dequantize(codes, steps.to(torch.bfloat16), torch.bfloat16), table)
+        assert int4.exact_scales(steps).dtype == torch.float32
+        assert not torch.equal(int4.dequantize(codes, steps.to(torch.bfloat16), torch.bfloat16), table)
         assert (steps < 0).any() and (steps > 0).any()  # both code ranges, -8..7 and -7..8
 
 
@@ -124,7 +125,7 @@ def test_the_real_repositorys_file_set(folder):
         "processor_config.json",
     } <= names
     generation = json.loads((folder / "generation_config.json").read_text())
-    tok = ck.load_tokenizer(hub.Checkpoint(str(folder), None, True, "test"))
+    tok = ck.load_tokenizer(ck.Checkpoint(str(folder), None, True, "test"))
     assert generation["eos_token_id"] == tok.convert_tokens_to_ids(["<eos>", "<turn|>"])
 
 
@@ -135,7 +136,7 @@ def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
     for path in folder.iterdir():  # the folder as snapshot_download(allow_patterns=...) leaves it
         if any(fnmatch.fnmatch(path.name, p) for p in hub._PATTERNS):
             shutil.copy(path, tmp_path / path.name)
-    kept = hub.Checkpoint(str(tmp_path), None, True, "filtered as the download filters")
+    kept = ck.Checkpoint(str(tmp_path), None, True, "filtered as the download filters")
     ids = ck.chat_ids(ck.load_tokenizer(kept), "cpu")  # needs chat_template.jinja
     assert ids.shape[1] > 16
     model, _ = ck.load(kept, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
@@ -147,11 +148,11 @@ def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
 
 def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
 
-    checkpoint = hub.Checkpoint(str(folder), None, True, "test")
+    checkpoint = ck.Checkpoint(str(folder), None, True, "test")
     tok = ck.load_tokenizer(checkpoint)
     model, _ = ck.load(checkpoint, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
-    tokens = ck.greedy_tokens(model, ck.chat_ids(tok, "cpu"), twin.ANSWER_TOKENS)
-    assert len(tokens) < twin.ANSWER_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
+    tokens = ck.greedy_tokens(model, ck.chat_ids(tok, "cpu"), GENERATION_TOKENS)
+    assert len(tokens) < GENERATION_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
     assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[twin.PROMPT]
     assert sampling.until_stop(tokens, sampling.stop_ids(model)) == tokens
     # thinking on: Gemma 4's template opens a system turn with <|think|>, the reply a thinking channel
@@ -160,12 +161,12 @@ def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False, enable_thinking=True
     )
     assert text.startswith("<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n") and text.endswith("<|turn>model\n")
-    tokens = ck.greedy_tokens(model, ck.encode(tok, text, "cpu"), twin.ANSWER_TOKENS)
+    tokens = ck.greedy_tokens(model, ck.encode(tok, text, "cpu"), GENERATION_TOKENS)
     assert tok.decode(tokens) == answer + "<turn|>" and tok.decode(tokens).startswith("<|channel>thought\n")
 
 
 def test_the_chat_template_is_gemma_4s_turn_format(folder):
-    tok = ck.load_tokenizer(hub.Checkpoint(str(folder), None, True, "test"))
+    tok = ck.load_tokenizer(ck.Checkpoint(str(folder), None, True, "test"))
     chat = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
@@ -202,7 +203,7 @@ def test_same_seed_same_twin(tmp_path, tensors):
 
 
 def test_tokenizer_does_not_add_bos_but_encode_does(folder):
-    c = hub.Checkpoint(str(folder), None, True, "test")
+    c = ck.Checkpoint(str(folder), None, True, "test")
     tok = ck.load_tokenizer(c)
     assert tok("Paris")["input_ids"][0] != tok.bos_token_id
     ids = ck.encode(tok, "Paris", "cpu")

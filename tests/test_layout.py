@@ -1,0 +1,146 @@
+"""The package's layout, read as source: what the modules define is used."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parent.parent
+READERS = [*ROOT.glob("helpers/**/*.py"), *ROOT.glob("notebooks/*.py"), *ROOT.glob("benchmarks/*.py")]
+
+
+def test_every_named_constant_of_the_package_is_read_somewhere():
+    texts = [f.read_text() for f in READERS]
+    dead = []
+    for module in ROOT.glob("helpers/**/*.py"):
+        for node in ast.parse(module.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id.isupper() and not target.id.startswith("_"):
+                    uses = sum(len(re.findall(rf"\b{target.id}\b", text)) for text in texts)
+                    if uses < 2:  # its own definition only
+                        dead.append(f"{module.relative_to(ROOT)}: {target.id}")
+    assert len(READERS) > 30 and not dead, dead
+
+
+def test_every_step_is_named_as_its_notebook():
+    """One naming scheme: a step is its notebook's file name ("04 compiled decode"), a row of a
+    step that needs more is that name, a comma, the detail ("06 ring cache, 131,328 positions")."""
+    from helpers import e2b, steps
+
+    files = sorted(ROOT.glob("notebooks/0[1-7]_*.py"))
+    names = [p.stem.replace("_", " ").replace("4bit", "4-bit") for p in files]  # a file name has no hyphen
+    assert [steps.MODES, steps.LOADING, steps.BASELINE, steps.COMPILED, steps.TABLE, steps.RING, steps.PAST] == names
+    rows = [r["step"] for r in e2b.step_figures()] + list(e2b.bytes_by_step())
+    assert all(row.split(",")[0] in names for row in rows), rows
+
+
+# The two layers. The lessons hold the mechanisms the notebooks teach; the course's bookkeeping
+# (series, rows, tour, charts, sources, install plan, Hub policy, twin, synthetic, XLA audit,
+# publishing) sits above them and may import them, never the reverse.
+LESSONS = {
+    "tpu",
+    "backend",
+    "modes",
+    "timing",
+    "tables",
+    "packed",
+    "int4",
+    "sampling",
+    "e2b",
+    "checkpoint",
+    "generate",
+    "decode",
+    "qtable",
+    "ring",
+    "roofline",
+    "qlinear",
+    "fused",
+    "chat",
+}
+BOOKKEEPING = {"charts", "course", "hub", "programs", "results", "series", "setup", "sources", "steps"}
+BOOKKEEPING |= {"synthetic", "tour", "twin"}
+# what a lesson module may import besides the standard library and earlier lessons: the guide's
+# libraries, and safetensors (the checkpoint's file format, installed with transformers)
+LESSON_LIBRARIES = {"torch", "transformers", "compressed_tensors", "tqdm", "safetensors"}
+
+
+def _helpers_imports(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("helpers"):
+            parts = node.module.split(".")
+            found |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("helpers.")}
+    return found
+
+
+def test_every_module_is_in_one_of_the_two_layers():
+    modules = {p.stem for p in ROOT.glob("helpers/*.py")} - {"__init__"}  # the package: cheap names only
+    assert LESSONS | BOOKKEEPING == modules and not LESSONS & BOOKKEEPING, modules ^ (LESSONS | BOOKKEEPING)
+
+
+def test_no_lesson_module_imports_the_bookkeeping():
+    found = {
+        module: sorted(_helpers_imports(ast.parse((ROOT / "helpers" / f"{module}.py").read_text())) & BOOKKEEPING)
+        for module in LESSONS
+    }
+    assert not any(found.values()), {m: b for m, b in found.items() if b}
+
+
+def test_lesson_modules_import_only_the_lesson_libraries_at_their_top():
+    import sys
+
+    found = {}
+    for module in LESSONS:
+        for node in ast.parse((ROOT / "helpers" / f"{module}.py").read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            tops = {n.split(".")[0] for n in names} - set(sys.stdlib_module_names) - {"__future__"}
+            if tops - LESSON_LIBRARIES:
+                found[module] = sorted(tops - LESSON_LIBRARIES)
+    assert not found, found
+
+
+def test_the_layer_test_sees_a_lesson_that_imports_the_bookkeeping():
+    bad = ast.parse("from .series import Series\nfrom helpers.hub import fetch\nimport helpers.steps")
+    assert _helpers_imports(bad) & BOOKKEEPING == {"series", "hub", "steps"}
+
+
+SAVE = re.compile(r"^# @save (helpers\.[a-z_0-9]+)\s*$", re.M)
+
+
+def _saved_cells(notebook: pathlib.Path) -> list[tuple[str, str]]:
+    """(module, code) of each code cell that starts with ``# @save helpers.<module>``: the lesson
+    written in the notebook, kept in that module for later notebooks (d2l's ``#@save``)."""
+    cells = re.split(r"^# %%.*$", notebook.read_text(), flags=re.M)
+    return [(m.group(1), cell) for cell in cells if (m := SAVE.match(cell.lstrip("\n")))]
+
+
+def _definitions(tree: ast.Module) -> dict[str, str]:
+    return {n.name: ast.dump(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def test_each_lesson_written_in_a_notebook_is_its_module_s_code():
+    """What a notebook shows is what runs: every function or class a ``# @save`` cell writes is,
+    as a syntax tree, the one its module holds (comments and blank lines aside)."""
+    checked = []
+    for notebook in sorted(ROOT.glob("notebooks/0*.py")):
+        for module, code in _saved_cells(notebook):
+            written = _definitions(ast.parse(code))
+            kept = _definitions(ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text()))
+            assert written, f"{notebook.name}: a # @save cell for {module} defines nothing"
+            for name, tree in written.items():
+                assert kept.get(name) == tree, f"{notebook.name}: {name} differs from {module}.{name}"
+                checked.append(f"{notebook.stem[:2]} {module}.{name}")
+    notebooks = {c.split()[0] for c in checked}
+    assert {"04", "05", "06", "07", "08"} <= notebooks, checked
+
+
+def test_the_cell_check_sees_a_changed_lesson():
+    cell = "# @save helpers.decode\ndef greedy_step(model, cache, token, position):\n    return token\n"
+    written = _definitions(ast.parse(cell))
+    kept = _definitions(ast.parse((ROOT / "helpers" / "decode.py").read_text()))
+    assert SAVE.match(cell) and written["greedy_step"] != kept["greedy_step"]
