@@ -159,10 +159,46 @@ def payback_tokens(compile_s: float, before_tok_s: float | None, after_tok_s: fl
 VARIANTS = ("matvec loops", "int4 bytes", "int4 linears", "4-bit head", "fused")  # notebook 07's, in order
 
 
+def measure_variant(
+    backend: Backend, series: Series, variant: str, k: int = 1, options=None, max_len: int = MAX_LEN
+) -> dict:
+    """One row of notebook 07: ``series.model`` as it is now, compiled anew (``Decoder`` with K =
+    ``k`` tokens per call and ``options`` for ``torch.compile``) and timed: same tokens as notebook
+    03, graphs compiled, seconds of the first call (its compilation), peak device memory where the
+    backend counts it, decode tok/s (median of 3) and spread, weights on the device, the roofline
+    columns, and what XLA compiled where it dumps it."""
+    model = series.model
+    torch._dynamo.reset()  # count this variant's compilations only
+    backend.reset_peak_memory()
+    decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
+    folder = backend.xla_dump_folder
+    with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
+        with backend.compile_counter() as count:
+            first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
+    timed = timed_generate(decoder, series.ids, series.timed_tokens, readback_every=max(16, k))
+    memory, verdict = backend.memory(), series.same_tokens(first.last)
+    return {
+        "variant": variant,
+        **measured_on(series.checkpoint),
+        "K": k,
+        "same_tokens": bool(verdict),
+        "verdict": str(verdict),
+        "compiles": count.graphs,
+        "first_call_s": first.median,
+        "peak_bytes": memory and memory["peak"],
+        "weights_bytes": sum(r["bytes"] for r in ck.memory_report(model)),
+        **timed_columns(backend, timed["rates"], roofline.step_bytes(model, decoder.cache)),
+        # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.programs
+        **programs.summary(compiled, {programs.hlo_shape(t) for t in kv_buffers(decoder.cache)}),
+    }
+
+
 def measure_variants_in_place(
     backend: Backend, series: Series, ks=(1, 2, 4, 8), max_len: int = MAX_LEN, variants=VARIANTS
 ) -> list[dict]:
-    """Notebook 07's variants on notebook 06's model, each compiled anew and timed. It changes
+    """Notebook 07's variants on notebook 06's model, in the order its cells make them, each
+    compiled anew and timed (``measure_variant``): for ``benchmarks/full_size.py`` and the tests,
+    which run the sequence in one call; the notebook writes each change in a cell. It changes
     ``series.model`` in place, variant after variant (the model ends as the last one), and drops
     ``series.table``'s report, which no longer describes it. K tokens per compiled call for each
     of ``ks``; on a CPU, K = 1 with the one-row matmuls as loops inductor writes
@@ -179,42 +215,13 @@ def measure_variants_in_place(
     unknown = set(variants) - set(VARIANTS)
     if unknown:
         raise ValueError(f"unknown variants {sorted(unknown)}: pick from {VARIANTS}")
-    model, rows = series.model, []
+    model = series.model
     series.table = None
     loops = backend.use_matvec_loops()
-
-    def run(variant: str, k: int, options=None) -> dict:
-        torch._dynamo.reset()  # count this variant's compilations only
-        backend.reset_peak_memory()
-        decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
-        folder = backend.xla_dump_folder
-        with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
-            with backend.compile_counter() as count:
-                first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
-        timed = timed_generate(decoder, series.ids, series.timed_tokens, readback_every=max(16, k))
-        memory, verdict = backend.memory(), series.same_tokens(first.last)
-        row = {
-            "variant": variant,
-            **measured_on(series.checkpoint),
-            "K": k,
-            "same_tokens": bool(verdict),
-            "verdict": str(verdict),
-            "compiles": count.graphs,
-            "first_call_s": first.median,
-            "peak_bytes": memory and memory["peak"],
-            "weights_bytes": sum(r["bytes"] for r in ck.memory_report(model)),
-            **timed_columns(backend, timed["rates"], roofline.step_bytes(model, decoder.cache)),
-            # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.programs
-            **programs.summary(compiled, {programs.hlo_shape(t) for t in kv_buffers(decoder.cache)}),
-        }
-        rows.append(row)
-        return row
-
-    for k in ks:
-        run(f"4-bit table, K={k}", k)
+    rows = [measure_variant(backend, series, f"4-bit table, K={k}", k, max_len=max_len) for k in ks]
     tail = "K=1" if loops is None else "K=1, matvec loops"
     if loops is not None and "matvec loops" in variants:
-        run(f"4-bit table, {tail}", 1, loops)
+        rows.append(measure_variant(backend, series, f"4-bit table, {tail}", 1, loops, max_len))
     changes = {
         "int4 bytes": (
             "int4 codes a byte each",
@@ -235,7 +242,7 @@ def measure_variants_in_place(
         series.drop_reference_model()  # 9 GB at E2B beside the swap's reads and the compile (a verdict rebuilds it)
         change()
         if name in variants:
-            run(f"{label}, {tail}", 1, loops)
+            rows.append(measure_variant(backend, series, f"{label}, {tail}", 1, loops, max_len))
     return rows
 
 

@@ -160,12 +160,82 @@ assert ring_step["cache_held"] == ring_e2b and ring_step["cache_read"] > 2 * rin
 # ## The ring, in a few lines
 # A sliding layer's update: attention gets the ring as it was followed by the chunk's own keys
 # (all that a query of the chunk may see), then the chunk's real positions are written into
-# slot `position % window`; padding never is. The masks come from the absolute position each
-# slot holds. The decoder's prefill goes through the prompt in fixed chunks, from any `start`
-# position the cache already holds (the chat of notebook 08 goes on from there).
+# slot `position % window`; padding never is. Written here, and kept, the same, in
+# `helpers.ring`, whose `RingCache` builds one per sliding layer (a test checks the two are the
+# same).
 
 # %%
-helpers.show(helpers.ring.RingLayer.update, helpers.ring.RingCache.masks, helpers.ring.RingDecoder.prefill)
+# @save helpers.ring
+from transformers.cache_utils import StaticLayer
+
+
+def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk's absolute positions [C] and which are not padding [C], passed from the model's
+    forward through the attention kwargs to every layer: inputs of the step, not cache state."""
+    kwargs = kwargs.get("kwargs", kwargs)
+    if "ring_positions" not in kwargs:
+        raise ValueError(
+            "a RingCache needs each forward's absolute positions and the ring's masks, which transformers' "
+            "generate does not give: call model.generate(..., cache=cache) inside "
+            "`with helpers.ring.inside_generate(model):`, or use helpers.ring.RingDecoder"
+        )
+    return kwargs["ring_positions"], kwargs["ring_valid"]
+
+
+class RingLayer(StaticLayer):
+    """A sliding-window layer's K/V in a ring of ``window`` slots (a ``StaticLayer`` of that
+    length). ``update`` returns the ring as it was followed by the chunk (window + C keys: all
+    a query of the chunk may need), then writes the chunk's real positions into their slots;
+    padding is never written."""
+
+    is_sliding = True
+
+    def __init__(self, window: int):
+        super().__init__(window)
+        self.window = window
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        keys = torch.cat([self.keys, key_states], dim=2)
+        values = torch.cat([self.values, value_states], dim=2)
+        positions, valid = _chunk(kwargs)
+        if key_states.shape[2] > self.window:  # generate's prefill, the whole prompt: its last window stays
+            key_states, value_states = key_states[:, :, -self.window :], value_states[:, :, -self.window :]
+            positions, valid = positions[-self.window :], valid[-self.window :]
+        slots = positions % self.window  # distinct: at most a window of positions
+        keep = valid.view(1, 1, -1, 1)
+        self.keys.index_copy_(2, slots, torch.where(keep, key_states, self.keys.index_select(2, slots)))
+        self.values.index_copy_(2, slots, torch.where(keep, value_states, self.values.index_select(2, slots)))
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.window + query_length, 0
+
+
+# %% [markdown]
+# A ring of 4 slots, fed positions 0-2, then 3-5 with the last one padding: each key is its
+# position, so the slots show where each position went (position 5 is padding: never written).
+
+# %%
+ring_layer = RingLayer(4)
+positions = torch.arange(6.0).view(1, 1, 6, 1)  # one head, one dimension: key = its position
+ring_layer.lazy_initialization(positions, positions)
+for chunk, valid in ((slice(0, 3), [True] * 3), (slice(3, 6), [True, True, False])):
+    seen, _ = ring_layer.update(
+        positions[:, :, chunk],
+        positions[:, :, chunk],
+        ring_positions=torch.arange(6)[chunk],
+        ring_valid=torch.tensor(valid),
+    )
+    print(f"attention sees {seen.view(-1).tolist()}; the ring's slots now {ring_layer.keys.view(-1).tolist()}")
+assert ring_layer.keys.view(-1).tolist() == [4.0, 1.0, 2.0, 3.0]  # 3 -> slot 3, 4 -> slot 0; 5 is padding
+
+# %% [markdown]
+# The masks come from the absolute position each slot holds. The decoder's prefill goes through
+# the prompt in fixed chunks, from any `start` position the cache already holds (the chat of
+# notebook 08 goes on from there).
+
+# %%
+helpers.show(helpers.ring.RingCache.masks, helpers.ring.RingDecoder.prefill)
 
 # %% [markdown]
 # ## Attention that reads the one K/V head as the cache holds it

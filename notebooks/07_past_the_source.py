@@ -272,14 +272,72 @@ for form in (False, True):
 # compile on a CPU (a TPU reader can combine the best K with the best format). Timed one
 # after another: the spread column (fastest over slowest run) says when the machine was busy.
 
+# %% [markdown]
+# Each variant is a cell of its own: the change to the model, then its row
+# (`helpers.steps.measure_variant`: the model as it is now, compiled anew, timed and checked).
+# Each change stays for the variants after it. First K tokens per compiled call, on notebook
+# 06's model as it is.
+
 # %%
 ks = helpers.steps.KS[backend.lazy]  # each K is a compile: fewer on XLA's CPU client
-token = series.ids[:, :1]
-matmuls = helpers.fused.linear_calls(series.model, token)
-rows = helpers.steps.measure_variants_in_place(backend, series, ks=ks)  # the last variant fuses the model's projections
+model, checkpoint, token = series.model, series.checkpoint, series.ids[:, :1]
+matmuls = helpers.fused.linear_calls(model, token)  # F.linear calls a token, before any variant
+series.table = None  # notebook 05's report: it no longer describes the model once the variants change it
+rows = [helpers.steps.measure_variant(backend, series, f"4-bit table, K={k}", k) for k in ks]
+
+# %% [markdown]
+# On a CPU, the one-row matmuls as loops inductor writes (`use_matvec_loops` above); elsewhere
+# nothing changes here. Kept for every variant after this one.
+
+# %%
+loops = backend.use_matvec_loops()  # compile options on a CPU, None elsewhere
+tail = "K=1" if loops is None else "K=1, matvec loops"
+if loops is not None:
+    rows.append(helpers.steps.measure_variant(backend, series, f"4-bit table, {tail}", 1, loops))
+
+# %% [markdown]
+# The linears as the checkpoint's int4 codes, one a byte (`QLinear`'s "int4-bytes"): the same
+# weights, dequantized inside the step. Each swap frees the reference model first (rebuilt for
+# the verdict): at E2B it is 9 GB beside the swap's reads and the compile.
+
+# %%
+series.drop_reference_model()
+helpers.qlinear.keep_linears_compressed(model, checkpoint, "int4-bytes")
+rows.append(helpers.steps.measure_variant(backend, series, f"int4 codes a byte each, {tail}", 1, loops))
+
+# %% [markdown]
+# The linears as packed int4, eight codes a word, in the backend's form (`int4_by_planes`).
+
+# %%
+series.drop_reference_model()
+helpers.qlinear.keep_linears_compressed(model, checkpoint, "int4", backend.int4_by_planes)
+rows.append(helpers.steps.measure_variant(backend, series, f"int4 linears, {tail}", 1, loops))
+
+# %% [markdown]
+# The main table and its tied head in 4-bit too.
+
+# %%
+series.drop_reference_model()
+helpers.qtable.keep_embed_in_4bit(model)
+rows.append(helpers.steps.measure_variant(backend, series, f"int4 linears + 4-bit head, {tail}", 1, loops))
+
+# %% [markdown]
+# q/k/v and gate/up fused into one matmul each: fewer matmuls a token.
+
+# %%
+series.drop_reference_model()
+helpers.fused.fuse_projections(model)
+label = f"int4 linears + 4-bit head + fused q/k/v, gate/up, {tail}"
+rows.append(helpers.steps.measure_variant(backend, series, label, 1, loops))
+after = helpers.fused.linear_calls(model, token)
 print(
-    f"matmuls with a weight per token: {matmuls} before fusing, {helpers.fused.linear_calls(series.model, token)} after"
+    f"F.linear calls a token: {matmuls} before the variants, {after} after them (a CPU's int4 product by planes calls none)"
 )
+
+# %% [markdown]
+# Every variant's row:
+
+# %%
 shown = [
     "variant",
     "same_tokens",

@@ -153,6 +153,8 @@ def _policy_of(name: str) -> dict:
     keys += ("runs_compiled_generate", "load_device_map")
     policy = {k: getattr(backend, k) for k in keys}
     policy["published"] = backend.published_bandwidth is not None
+    if name != "cpu":  # on a CPU it sets inductor's pass for the process: its own test, test_roofline
+        policy["matvec loops"] = backend.use_matvec_loops()
     return policy
 
 
@@ -167,11 +169,12 @@ def test_each_backend_s_policy_is_one_table(monkeypatch):
     assert [p["runs_compiled_generate"] for p in (tpu, xla, cuda, cpu)] == [True, False, True, True]
     assert xla["load_device_map"] == {"": "cpu"}  # accelerate cannot place onto an XLA device
     assert [p["published"] for p in (tpu, xla, cuda, cpu)] == [True, False, False, False]
+    assert [p["matvec loops"] for p in (tpu, xla, cuda)] == [None, None, None]  # a CPU compiler's pass
     monkeypatch.setenv("PJRT_DEVICE", "TPU")  # PyTorch/XLA on a real TPU: a TPU's figures apply
     assert _policy_of("xla")["on_tpu"] and _policy_of("xla")["published"]
 
 
-def test_no_module_notebook_or_benchmark_branches_on_the_backend_s_name():
+def test_no_module_notebook_benchmark_or_test_branches_on_the_backend_s_name():
     """Backend policy is decided in backend.py: elsewhere a backend is asked what it does
     (``backend.lazy``, ``backend.default_model``...), never compared by name."""
     import pathlib
@@ -180,10 +183,11 @@ def test_no_module_notebook_or_benchmark_branches_on_the_backend_s_name():
     root = pathlib.Path(__file__).parent.parent
     branch = re.compile(r"\bbackend\.name\s*(==|!=|in\b|not\s+in\b)")
     files = [*root.glob("helpers/**/*.py"), *root.glob("notebooks/*.py"), *root.glob("benchmarks/*.py")]
+    files += [*root.glob("tests/*.py")]  # tests ask a backend too; test_backend.py tests the backend itself
     found = [
         f"{f.relative_to(root)}:{i}"
         for f in files
-        if f.name != "backend.py"
+        if f.name not in ("backend.py", "test_backend.py")
         for i, line in enumerate(f.read_text().splitlines(), 1)
         if branch.search(line)
     ]
