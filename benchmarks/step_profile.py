@@ -77,6 +77,20 @@ with compiled_forward(model):
     hf_seconds = streamer.step_seconds[1:]  # after the prefill's token
 torch._dynamo.reset()
 
+
+def our_run(decoder) -> list[float]:
+    """Seconds of ``args.steps`` compiled decode calls after a prefill, each ending on the host
+    with its token, as generate's streamer has it."""
+    token, position = decoder.prefill(ids)
+    seconds = []
+    for _ in range(args.steps):
+        begin = time.perf_counter()
+        _, token, position = decoder.call(token, position)
+        token.tolist()
+        seconds.append(time.perf_counter() - begin)
+    return seconds
+
+
 report("HF generate, static cache, forward compiled", hf_prof, hf_seconds)
 print(f"HF's static cache holds {ids.shape[1] + tokens} positions: the prompt and the tokens asked for")
 # notebook 04's step with the cache it was measured with, then sized to the run as HF sizes its own
@@ -86,27 +100,10 @@ for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens))
     start = time.perf_counter()
     decoder.generate(ids, 2)  # compiles the prefill bucket and the step
     print(f"\nnotebook 04's step, {max_len} positions, compiled in {time.perf_counter() - start:.0f} s")
-    token, position = decoder.prefill(ids)
-    ours = []
     with profile(activities=backend.profiler_activities) as our_prof:
-        for _ in range(args.steps):
-            begin = time.perf_counter()
-            _, token, position = decoder.call(token, position)
-            token.tolist()  # on the host, as generate's streamer has it
-            ours.append(time.perf_counter() - begin)
+        ours = our_run(decoder)
     report(f"notebook 04's compiled step, a static cache of {max_len} positions", our_prof, ours)
     del decoder
-
-
-def our_run(decoder) -> list[float]:
-    token, position = decoder.prefill(ids)
-    seconds = []
-    for _ in range(args.steps):
-        begin = time.perf_counter()
-        _, token, position = decoder.call(token, position)
-        token.tolist()
-        seconds.append(time.perf_counter() - begin)
-    return seconds
 
 
 if args.rounds:
