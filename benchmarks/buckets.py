@@ -2,7 +2,7 @@
 source's 131,328 positions, one buffer (a static shape: every step reads the whole buffer)
 against a few compiled buffer lengths (``RingDecoder(buckets=...)``: a step reads the smallest
 bucket that holds its context), side by side in one run, on the synthetic E2B
-(``helpers.synthetic``: the real shapes, random weights) as notebook 06 leaves it (4-bit
+(``helpers.course.synthetic``: the real shapes, random weights) as notebook 06 leaves it (4-bit
 per-layer table, grouped attention, bf16).
 
     python benchmarks/buckets.py [--contexts 2048 16384 131000] [--buckets 8192 32768] [--steps 8]
@@ -25,15 +25,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-import helpers  # noqa: E402
-from helpers import decode, e2b, roofline  # noqa: E402
+import helpers
+from helpers import decode, roofline  # noqa: E402
+from helpers.course import (
+    e2b,  # noqa: E402
+    measure,  # noqa: E402  # noqa: E402
+)
+from helpers.course.results import run_dir  # noqa: E402
+from helpers.course.series import load_for_series  # noqa: E402
+from helpers.course.synthetic import SYNTHETIC  # noqa: E402
+from helpers.course.tables import fmt_bytes, table
+from helpers.course.timing import time_fed
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
-from helpers.results import run_dir  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
-from helpers.series import load_for_series  # noqa: E402
-from helpers.synthetic import SYNTHETIC  # noqa: E402
-from helpers.tables import fmt_bytes, table
-from helpers.timing import time_fed
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--contexts", type=int, nargs="+", default=[2_048, 16_384, 131_000])
@@ -56,7 +60,7 @@ with torch.no_grad():
 decode.strip_compressed_wrappers(model)
 keep_table_in_4bit(model, checkpoint)
 group_query_heads(model)
-bandwidth, how = roofline.read_bandwidth(backend)
+bandwidth, how = measure.read_bandwidth(backend)
 print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how})")
 weights = roofline.step_bytes(model)
 vocab = model.config.get_text_config().vocab_size

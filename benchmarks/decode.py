@@ -23,14 +23,19 @@ import torch
 from cpu_model import cpu_model
 
 import helpers
-from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, roofline, sampling, twin
+from helpers import generate, roofline
+from helpers.course import (
+    e2b,
+    measure,
+    twin,
+    verdict,
+)
+from helpers.course.tables import table
+from helpers.course.timing import time_fn
 from helpers.fused import fuse_projections
 from helpers.generate import compiled_forward
 from helpers.qlinear import QLinear
-from helpers.tables import table
-from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=64)
@@ -51,7 +56,7 @@ n, max_len = args.tokens, d.PREFILL_BUCKETS[2] + args.tokens + args.k
 
 
 def hf(**kwargs):
-    config = sampling.greedy_config(model, n, stop=False)  # exactly n tokens: each run times the same count
+    config = generate.greedy_config(model, n, stop=False)  # exactly n tokens: each run times the same count
     config.update(**kwargs)
     with torch.no_grad():
         return model.generate(ids, generation_config=config).sequences[0, ids.shape[1] :].tolist()
@@ -86,8 +91,8 @@ def hf_static(**compile_options):
 k = args.k
 decoders = {
     "(c) compiled step, K=1": d.Decoder(model, backend, max_len),
-    f"(d) compiled, K={k}": d.Decoder(model, backend, max_len, tokens_per_call=k),
-    f"(e) matvec loops, K={k}": d.Decoder(model, backend, max_len, tokens_per_call=k, **loops_options),
+    f"(d) compiled, K={k}": roofline.KDecoder(model, backend, max_len, k),
+    f"(e) matvec loops, K={k}": roofline.KDecoder(model, backend, max_len, k, **loops_options),
     f"(f) int4 codes a byte each, loops, K={k}": d.Decoder(
         compressed("int4-bytes"), backend, max_len, k, **loops_options
     ),
@@ -109,14 +114,14 @@ for name, loop in loops.items():  # first calls: compile, count graphs, check to
         "loop": name,
         "graphs": count.graphs,
         "first_call_s": first.median,
-        "same_tokens": bool(ck.compare_tokens(first.last, expected, model, ids)),  # two programs: the verdict
+        "same_tokens": bool(verdict.compare_tokens(first.last, expected, model, ids)),  # two programs: the verdict
         "runs": [],
     }
 for _ in range(args.rounds):  # interleaved: every loop once per round
     for name, loop in loops.items():
         rows[name]["runs"].append((n - 1) / time_fn(loop, sync=backend.sync, warmup=0, repeats=1).median)
 
-bandwidth, how = roofline.read_bandwidth(backend)
+bandwidth, how = measure.read_bandwidth(backend)
 # HF's dynamic cache at the run's mean context (its sliding layers keep a window)
 hf_bytes = roofline.step_bytes(model) + e2b.kv_cache_bytes(
     model.config, ids.shape[1] + n // 2, ring=True, dtype_bytes=4

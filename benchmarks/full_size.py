@@ -1,5 +1,5 @@
 """The series at full size: load -> 03 -> 04 -> 05 -> 06 -> 07 in bf16, on a synthetic checkpoint
-with Gemma 4 E2B's real shapes, tensor names, dtypes and file set (``helpers.synthetic``: random
+with Gemma 4 E2B's real shapes, tensor names, dtypes and file set (``helpers.course.synthetic``: random
 weights, so the tokens mean nothing; the bytes, the times and the programs are E2B's).
 
     python benchmarks/full_size.py [--backend cpu|cuda] [--tokens 32] [--variants ...] [--until 07] [--run-dir runs/full_size]
@@ -34,15 +34,16 @@ import torch  # noqa: E402
 
 import helpers  # noqa: E402
 from helpers import checkpoint as ck  # noqa: E402
-from helpers import decode, e2b, hub, roofline, sources, steps  # noqa: E402
-from helpers.generate import compiled_forward, measure  # noqa: E402
+from helpers import decode  # noqa: E402
+from helpers.course import e2b, hub, measure, sources, steps  # noqa: E402
+from helpers.course.results import Results, run_dir  # noqa: E402
+from helpers.course.series import Series, load_for_series, save_reference  # noqa: E402
+from helpers.course.synthetic import SYNTHETIC  # noqa: E402
+from helpers.course.tables import fmt_bytes, table
+from helpers.course.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
+from helpers.generate import compiled_forward  # noqa: E402
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
-from helpers.results import Results, run_dir  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
-from helpers.series import Series, load_for_series, save_reference  # noqa: E402
-from helpers.synthetic import SYNTHETIC  # noqa: E402
-from helpers.tables import fmt_bytes, table
-from helpers.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="cpu or cuda (default: detected, or $HELPERS_BACKEND)")
@@ -68,7 +69,7 @@ print(hub.choose_checkpoint(backend), f"(ready in {time.perf_counter() - built:.
 folder = run_dir(args.run_dir)
 results = Results(folder)
 started = time.perf_counter()
-bandwidth, how = roofline.read_bandwidth(backend)
+bandwidth, how = measure.read_bandwidth(backend)
 print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how})")
 rows = []
 
@@ -116,7 +117,7 @@ n = args.tokens or backend.generation_length
 # --- 03: HF generate, eager; its tokens are the reference -----------------------------------
 step = Step(steps.BASELINE)
 with step.phase("runs"):  # a warm-up run first: its first forward decompresses the weights
-    measured = measure(model, tokenizer, ids, backend, n)
+    measured = measure.measure(model, tokenizer, ids, backend, n)
 save_reference(checkpoint, backend, ids, n, measured["tokens"], folder)
 series = Series(checkpoint, model, tokenizer, ids, n, measured["tokens"], n)  # a run is seconds here: n timed
 row = steps.record_baseline(results, backend, series.checkpoint, measured, model, ids.shape[1] + n // 2)
@@ -137,7 +138,7 @@ def compiled(step: Step, name: str, label: str, decoder, source_tok_s: float) ->
     verdict, the series' row."""
     tokens, count, verdict = first_call(step, decoder)
     with step.phase("timed"):
-        timed = decode.timed_generate(decoder, ids, n, readback_every=16)
+        timed = measure.timed_generate(decoder, ids, n, readback_every=16)
     row = steps.record_compiled(results, name, label, decoder, series, tokens, count, source_tok_s, timed["rates"])
     return {**timed_row(row), "prefill_s": timed["prefill_s"], "verdict": str(verdict)}
 
@@ -148,7 +149,7 @@ with torch.no_grad():
     model(ids)  # the first forward decompresses the weights, as generate's did
 decode.strip_compressed_wrappers(model)
 with step.phase("runs"), compiled_forward(model), backend.compile_counter() as count:
-    hf_compiled = measure(model, tokenizer, ids, backend, n, cache_implementation="static")
+    hf_compiled = measure.measure(model, tokenizer, ids, backend, n, cache_implementation="static")
 hf_row = step.done(
     decode_tok_s=hf_compiled["decode_tok_s"],
     tok_s_spread=hf_compiled["tok_s_spread"],

@@ -22,11 +22,14 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
 import helpers
-from helpers import e2b, roofline
+from helpers.course import (
+    e2b,
+    measure,
+)
+from helpers.course.tables import table
+from helpers.course.timing import time_fn
 from helpers.packed import GROUP_SIZE
 from helpers.qlinear import QLinear
-from helpers.tables import table
-from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=5)
@@ -102,5 +105,5 @@ for out_features, in_features in shapes:
             }
         )
 print(table(rows))
-bandwidth, how = roofline.read_bandwidth(backend)
+bandwidth, how = measure.read_bandwidth(backend)
 print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how}); median of {args.rounds} interleaved rounds")

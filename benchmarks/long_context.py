@@ -13,7 +13,8 @@ from cpu_model import cpu_model
 
 import helpers
 from helpers import ring
-from helpers.tables import fmt_bytes, table
+from helpers.course import measure
+from helpers.course.tables import fmt_bytes, table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048, 8192])
@@ -32,7 +33,7 @@ print(
 max_len = -(-(max(args.contexts) + args.steps + 1) // config.sliding_window) * config.sliding_window
 decoder = ring.RingDecoder(model, backend, max_len=max_len)
 print(f"ring cache: {max_len} positions for the full layers, one {config.sliding_window}-slot ring per sliding layer")
-rows = ring.context_sweep(decoder, args.contexts, args.steps, hf_default=True, eager=True)
+rows = measure.context_sweep(decoder, args.contexts, args.steps, hf_default=True, eager=True)
 for r in rows:
     r["compiled vs HF"] = f"{r['HF ms/token'] / r['ring ms/token']:.2f}x"
     r["eager vs HF"] = f"{r['HF ms/token'] / r['ring eager ms/token']:.2f}x"

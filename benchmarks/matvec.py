@@ -16,10 +16,10 @@ import torch
 from cpu_model import cpu_model
 
 import helpers
-from helpers import roofline
+from helpers.course import measure  # noqa: E402
+from helpers.course.tables import table
+from helpers.course.timing import time_fn
 from helpers.int4 import GROUP_SIZE, dequantize
-from helpers.tables import table
-from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=5)
@@ -88,5 +88,5 @@ for out_features, in_features in shapes:
             }
         )
 print(table(rows))
-bandwidth, how = roofline.read_bandwidth(backend)
+bandwidth, how = measure.read_bandwidth(backend)
 print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how}); median of {args.rounds} interleaved rounds")

@@ -9,7 +9,7 @@ machines are shared and noisy: compare ratios, not wall times across runs).
 import argparse
 
 import helpers
-from helpers.tables import table
+from helpers.course.tables import table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected)")
@@ -21,4 +21,4 @@ backend = helpers.get_backend(args.backend)
 print(backend.describe())
 rows = helpers.compare_modes(backend, size=args.size, warmup=5, repeats=args.repeats)
 print(table(rows, ["mode", "median_ms", "min_ms", "max_ms", "speedup_vs_eager", "executions_per_call"]))
-print(f"source (TPU v5e-1): compile >{helpers.sources.COMPILE_SPEEDUP}x faster than eager")
+print(f"source (TPU v5e-1): compile >{helpers.course.sources.COMPILE_SPEEDUP}x faster than eager")

@@ -1,6 +1,6 @@
 """Where a decode step's time goes at E2B's size: notebook 04's compiled step against HF's own
 recipe (``generate`` with its static cache and the forward compiled), side by side in one run on
-the synthetic E2B (``helpers.synthetic``: the real shapes, random weights), each profiled over
+the synthetic E2B (``helpers.course.synthetic``: the real shapes, random weights), each profiled over
 the same count of steps with torch.profiler: the ops and kernels with the most time of their
 own, their counts, and each loop's tok/s. Notebook 04's step runs twice: with the 256-position
 cache it was measured with, and with its cache sized to the run as HF sizes its own
@@ -26,11 +26,11 @@ import torch
 from torch.profiler import profile
 
 import helpers
-from helpers import decode, hub
-from helpers.generate import StepStreamer, compiled_forward
-from helpers.sampling import greedy_config
-from helpers.series import load_for_series
-from helpers.synthetic import SYNTHETIC
+from helpers import decode
+from helpers.course import hub
+from helpers.course.series import load_for_series
+from helpers.course.synthetic import SYNTHETIC
+from helpers.generate import StepStreamer, compiled_forward, greedy_config
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=16, help="decode steps profiled per loop")

@@ -1,7 +1,7 @@
 """The series' compiled programs at E2B's shapes, as XLA compiles them (issue 25): for each
 program notebooks 04-07 hand the compiler (the prefill and the decode step of each model, the
 ring's prefill chunk and step at 131,328 positions, notebook 07's variants), the audit of
-``helpers.programs``: 64-bit integer ops, the KV cache buffers aliased input to output (and
+``helpers.course.programs``: 64-bit integer ops, the KV cache buffers aliased input to output (and
 the bytes copied per call where not), the largest intermediate, and the program's memory as
 XLA's buffer assignment sizes it (inputs, outputs, temporaries: the most it holds at once),
 beside the 15.75 GiB a TPU v5e-1 gives programs (``helpers.backend.V5E_HBM_BYTES``); the CPU compiler's
@@ -29,13 +29,14 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import helpers  # noqa: E402
-from helpers import decode, e2b, hub, programs  # noqa: E402
+from helpers import decode, roofline  # noqa: E402
+from helpers.course import e2b, hub, programs  # noqa: E402
+from helpers.course.synthetic import SYNTHETIC  # noqa: E402
+from helpers.course.tables import fmt_bytes, table  # noqa: E402
 from helpers.fused import fuse_projections  # noqa: E402
 from helpers.qlinear import keep_linears_compressed  # noqa: E402
 from helpers.qtable import QTable, keep_embed_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
-from helpers.synthetic import SYNTHETIC  # noqa: E402
-from helpers.tables import fmt_bytes, table  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-len", type=int, default=256, help="positions the static cache holds (04, 05, 07)")
@@ -87,7 +88,7 @@ def audit(what: str, decoder) -> None:
     shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
     start = time.perf_counter()
     with programs.captured(folder) as compiled:
-        decoder.generate(ids, 1 + 2 * decoder.tokens_per_call, stop_ids=())
+        decoder.generate(ids, 1 + 2 * getattr(decoder, "tokens_per_call", 1), stop_ids=())
     seconds = time.perf_counter() - start
     for program in compiled:
         row = programs.audit(program, shapes)
@@ -152,7 +153,7 @@ del ring  # its cache: 0.81 GB at E2B
 
 for k in args.ks:
     if k > 1:
-        audit(f"07 past the source, K={k}", decode.Decoder(model, backend, args.max_len, tokens_per_call=k))
+        audit(f"07 past the source, K={k}", roofline.KDecoder(model, backend, args.max_len, k))
 
 
 def head_in_4bit() -> dict:

@@ -27,51 +27,37 @@ def show(*functions) -> None:
 
 
 _EXPORTS = {
-    "install_missing": "setup",
+    "install_missing": "course.setup",
     "BackendError": "backend",
     "get_backend": "backend",
     "op_stack": "modes",
-    "compare_modes": "modes",
+    "compare_modes": "course.measure",
     "shape_demo": "modes",
-    "time_fn": "timing",
-    "Results": "results",
-    "run_dir": "results",
-    "choose_checkpoint": "hub",
-    "build_tiny_twin": "twin",
+    "time_fn": "course.timing",
+    "Results": "course.results",
+    "run_dir": "course.results",
+    "choose_checkpoint": "course.hub",
+    "build_tiny_twin": "course.twin",
 }
 
 
 _MODULES = {
     "backend",
-    "charts",
     "chat",
     "checkpoint",
     "course",
     "decode",
-    "e2b",
     "fused",
     "generate",
-    "hub",
     "int4",
     "modes",
     "packed",
-    "programs",
     "qlinear",
     "qtable",
-    "results",
     "ring",
     "roofline",
     "sampling",
-    "series",
-    "setup",
-    "sources",
-    "steps",
-    "synthetic",
-    "tables",
-    "timing",
-    "tour",
     "tpu",
-    "twin",
 }
 
 

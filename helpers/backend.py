@@ -389,7 +389,7 @@ class Backend:
         their buffers may be reused for the program's outputs, not copied whole into new ones.
         PyTorch/XLA's dynamo bridge aliases an input only when it is marked a buffer donor, in
         the graph (``dynamo_set_buffer_donor_``); without it, every call writes a new copy of
-        each (measured by ``helpers.programs``). TorchTPU 0.2.0's compile offers no such mark (its
+        each (measured by ``helpers.course.programs``). TorchTPU 0.2.0's compile offers no such mark (its
         sources: mutated inputs are functionalized, the program returns new buffers, the tensor
         is pointed at them after the call); inductor (cpu, cuda) writes in place by itself."""
         if self.name == "xla":

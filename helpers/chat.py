@@ -3,15 +3,11 @@ in chunks), so the history is never run again, and the reply streams as it is ma
 
 from __future__ import annotations
 
-import html
-
 import torch
 
 from . import checkpoint as ck
 from .decode import cache_bytes
-from .generate import StepStreamer
 from .ring import RingDecoder
-from .tables import fmt_bytes
 
 _SENTINEL = "\x00reply\x00"  # stands for the last reply while the template renders the next turn
 
@@ -79,8 +75,8 @@ class Chat:
             self.max_new_tokens,
             readback_every=1,
             start=held,
-            seed=self.seed + len(self.replies),
             streamer=streamer,
+            **({"seed": self.seed + len(self.replies)} if hasattr(self.decoder, "sampler") else {}),  # Sampled
             **self.generate_kwargs,
         )
         self.tokens = self.tokens[:held] + new + reply
@@ -96,48 +92,3 @@ class Chat:
             "max_len": self.decoder.max_len,
             "cache_bytes": cache_bytes(self.decoder.cache),
         }
-
-
-def chat_widget(chat: Chat):
-    """An ipywidgets chat on ``chat``: type a message, then Enter or Send; the reply streams in
-    with live tok/s (``StepStreamer``), then the context and the cache's bytes. Returns the
-    widget; its ``submit(text)`` sends a message as the button does (a scripted conversation)."""
-    import ipywidgets as w  # only where a widget is shown
-    from IPython.display import display
-
-    log, live = w.HTML(), w.HTML()
-    box = w.Text(placeholder="a message, then Enter", continuous_update=False, layout=w.Layout(width="70%"))
-    send = w.Button(description="Send")
-
-    def submit(text: str) -> None:
-        text = text.strip()
-        if not text:
-            return
-        box.disabled = send.disabled = True
-        try:
-            streamer = StepStreamer(chat.tokenizer, chat.decoder.backend, widget=live)
-            reply = chat.say(text, streamer)
-            status = chat.status()
-            rate = f"{streamer.tok_s:.1f} tok/s · " if streamer.tok_s else ""
-            log.value += (
-                f"<p><b>you:</b> {html.escape(text)}<br><b>model:</b> {html.escape(reply)}<br><small>{rate}"
-                f"context {status['context']} of {status['max_len']} positions · cache "
-                f"{fmt_bytes(status['cache_bytes'])}</small></p>"
-            )
-            live.value = ""
-        except ValueError as err:  # the conversation would pass the cache: said, not raised into the widget
-            live.value = f"<b>{html.escape(str(err))}</b>"
-        finally:
-            box.disabled = send.disabled = False
-
-    def on_enter(change):
-        if change["new"]:
-            box.value = ""  # fires again with "", which submit ignores
-            submit(change["new"])
-
-    box.observe(on_enter, "value")
-    send.on_click(lambda _: on_enter({"new": box.value}))
-    ui = w.VBox([log, live, w.HBox([box, send])])
-    ui.submit = submit
-    display(ui)
-    return ui

@@ -1,4 +1,4 @@
-"""Loading a Gemma 4 E2B checkpoint (chosen and fetched by `helpers.hub`): refuse what cannot fit, load
+"""Loading a Gemma 4 E2B checkpoint (chosen and fetched by `helpers.course.hub`): refuse what cannot fit, load
 its text decoder onto a device, see where the bytes go, give them back; the series' prompt and
 a reference model dequantized independently. The real checkpoint and the tiny twin go through
 the same code."""
@@ -17,19 +17,14 @@ import warnings
 import torch
 
 from .backend import Backend
-from .e2b import CONTEXT, estimate_device_bytes, fit_options
 from .packed import (
     CHECKPOINT_PREFIX,
-    GROUP_SIZE,
     KEY_MAPPING,
     TEXT_PREFIX,
     CheckpointTensors,
     tensor_kind,
     text_key,
 )
-from .sampling import greedy_config
-from .tables import fmt_bytes
-from .timing import host_peak_bytes
 
 PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
 
@@ -47,7 +42,7 @@ class Checkpoint:
     tiny: bool
     reason: str
     folder: str | None = None  # where ``source`` was fetched to once (a download, or the Hub's cache)
-    synthetic: bool = False  # E2B's layout with random weights (``helpers.synthetic``)
+    synthetic: bool = False  # E2B's layout with random weights (``helpers.course.synthetic``)
 
     @property
     def name(self) -> str:
@@ -63,7 +58,7 @@ class Checkpoint:
         if not path.is_dir():
             raise CheckpointError(
                 f"{self.source} is not a local folder and was not fetched: helpers.choose_checkpoint fetches "
-                "what it chooses (helpers.hub.fetch fetches a checkpoint made by hand)."
+                "what it chooses (helpers.course.hub.fetch fetches a checkpoint made by hand)."
             )
         return path
 
@@ -123,28 +118,6 @@ def text_config(config):
     return text
 
 
-# --- preflight: refuse before loading what cannot fit ----------------------------------------
-def preflight(
-    config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None
-) -> str:
-    """Refuse, with needed vs available bytes and what to change, a load that will not fit.
-
-    ``available`` and ``where`` describe another device than this backend's (a what-if)."""
-    needed = estimate_device_bytes(config, dequantize)
-    available = backend.free_bytes() if available is None else available
-    where = where or backend.name
-    if available is None:
-        return f"preflight: needs ~{fmt_bytes(needed)}; {where} does not report its free memory"
-    if needed > available:
-        raise CheckpointError(
-            f"will not fit: needs ~{fmt_bytes(needed)} on {where}, {fmt_bytes(available)} free; "
-            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device; "
-            "what the later notebooks keep smaller at E2B: "
-            + "; ".join(f"{o['option']} saves {fmt_bytes(o['saves'])}" for o in fit_options(config, CONTEXT))
-        )
-    return f"preflight: needs ~{fmt_bytes(needed)} of {fmt_bytes(available)} free on {where}: fits"
-
-
 # --- loading ---------------------------------------------------------------------------------
 def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False):
     """The text decoder of ``checkpoint`` on the device, and the seconds it took.
@@ -160,7 +133,6 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
     start = time.perf_counter()
     folder = checkpoint.path
     config = text_config(read_config(folder))
-    print(preflight(config, backend, dequantize))
     quantization = (
         CompressedTensorsConfig(dequantize=dequantize) if getattr(config, "quantization_config", None) else None
     )
@@ -205,9 +177,9 @@ def unload(model, backend: Backend) -> None:
     model.to("meta")
     gc.collect()
     backend.empty_cache()
-    line = f"unloaded the model ({fmt_bytes(held)} of tensors)"
+    line = f"unloaded the model ({held / 1e9:.2f} GB of tensors)"
     if before is not None:
-        line += f"; device memory in use {fmt_bytes(before['in_use'])} -> {fmt_bytes(backend.memory()['in_use'])}"
+        line += f"; device memory in use {before['in_use'] / 1e9:.2f} -> {backend.memory()['in_use'] / 1e9:.2f} GB"
     print(line)
 
 
@@ -245,46 +217,6 @@ def chat_ids(tokenizer, device, prompt: str = PROMPT) -> torch.Tensor:
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
     return encode(tokenizer, text, device)
-
-
-def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
-    """A plain text model on the host whose weights are the checkpoint's, dequantized here with
-    compressed-tensors' own unpack (codes x scales), independent of the loading path above.
-
-    Sized for a Colab host: only the text decoder's tensors are read (never the towers, nor the
-    redundant lm_head copy), each packed weight is dequantized once, straight into ``dtype``;
-    the process's peak host memory is printed. Its generation config (the stop ids) is the
-    checkpoint's own, as ``from_pretrained`` would read it."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from transformers import Gemma4ForCausalLM, GenerationConfig
-
-    folder = checkpoint.path
-    config = text_config(read_config(folder))
-    config.quantization_config = None
-    state = {}
-    with CheckpointTensors(folder) as tensors:
-        for key in tensors.keys():
-            name = text_key(key)
-            if name is None or name == "lm_head.weight" or re.search(r"\.weight_(scale|shape|zero_point)$", name):
-                continue  # towers never read; lm_head is tied to embed_tokens; quantization parameters below
-            tensor = tensors.get(key)
-            if name.endswith(".weight_packed"):
-                stem = key[: -len("packed")]
-                shape = torch.Size(tensors.get(stem + "shape").tolist())
-                scale = tensors.get(stem + "scale").float()
-                codes = unpack_from_int32(tensor, 4, shape).float()
-                tensor = (codes.reshape(shape[0], -1, GROUP_SIZE) * scale[..., None]).reshape(shape)
-                name = name[: -len("_packed")]
-            state[name] = tensor.to(dtype)
-    model = Gemma4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
-    if (folder / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    peak = host_peak_bytes()
-    print(
-        f"reference model: {fmt_bytes(sum(t.numel() * t.element_size() for t in state.values()))} of text-decoder "
-        f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(peak)}"
-    )
-    return model
 
 
 # --- where the bytes are, and what compressed-tensors attached --------------------------------
@@ -329,133 +261,3 @@ def compression_report(model) -> list[dict]:
         {"what": f"quantization status '{s}'", "count": len(names), "example": names[0]} for s, names in status.items()
     ]
     return rows
-
-
-def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """HF ``generate``'s greedy tokens after ``ids``: at most ``new_tokens``, up to and
-    including the first stop id, as notebook 03's reference."""
-    out = model.generate(ids, generation_config=greedy_config(model, new_tokens))
-    return out.sequences[0, ids.shape[1] :].tolist()
-
-
-def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """The reference model's greedy tokens, computed on the same device as the loads they
-    check (bf16 rounding differs between devices), one model on the device at a time."""
-    reference = reference_model(checkpoint).to(backend.device)
-    tokens = greedy_tokens(reference, ids, new_tokens)
-    unload(reference, backend)
-    return tokens
-
-
-# --- "the same tokens": one verdict for two programs that round differently ---------------------
-NEAR_TIE_ULPS = 4  # two programs rounding differently move a logit by a few units in its last place
-
-
-def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of each of ``values`` at ``dtype``'s precision: bf16 keeps 8
-    significant bits (``finfo.eps`` 2**-7), float32 24 (2**-23)."""
-    exponent = torch.floor(torch.log2(values.float().abs().clamp_min(torch.finfo(torch.float32).tiny)))
-    return torch.exp2(exponent) * torch.finfo(dtype).eps
-
-
-@dataclasses.dataclass
-class Verdict:
-    """Whether a run's tokens are the reference's, and how that was decided.
-
-    ``exact``: compared as lists, which holds only where the two runs' arithmetic is the same
-    by construction (one program twice). Otherwise teacher-forced against a reference model:
-    each token must be its argmax there, or within ``tolerance_ulps`` units in the last place
-    of the top logit (in ``dtype``, the reference's logits') of it, a near tie.
-    ``first_divergence``: the first position where the lists part (None if they do not);
-    ``gap``: the reference's logit gap there (teacher-forced); ``failed_at``: the first token
-    that is no near tie, or where one list ends and the other goes on with the same tokens;
-    ``near_ties``: (position, gap) of every near tie met; ``largest_ulps``: the largest gap
-    seen at a token that is not the argmax, in ulps (0: every token is the argmax)."""
-
-    same: bool
-    exact: bool
-    first_divergence: int | None = None
-    gap: float | None = None
-    failed_at: int | None = None
-    near_ties: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-    tolerance_ulps: int = NEAR_TIE_ULPS
-    failed_ulps: float | None = None  # the gap at ``failed_at``, in ulps of the top logit
-    dtype: str = "bfloat16"
-    largest_ulps: float = 0.0
-
-    def __bool__(self) -> bool:
-        return self.same
-
-    def __str__(self) -> str:
-        how = (
-            "equal lists"
-            if self.exact
-            else f"teacher-forced, near ties within {self.tolerance_ulps} {self.dtype} ulps,"
-            f" largest gap seen {self.largest_ulps:.1f} ulps"
-        )
-        parts = "never part" if self.first_divergence is None else f"first part at token {self.first_divergence}"
-        if self.gap is not None and self.first_divergence is not None:
-            parts += f" (reference logit gap there {self.gap:.3g})"
-        ties = f", {len(self.near_ties)} near tie(s) at {[p for p, _ in self.near_ties]}" if self.near_ties else ""
-        failed = ""
-        if self.failed_at is not None:
-            failed = (
-                f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
-                if self.failed_ulps is not None
-                else f", one list ends at token {self.failed_at} where the other goes on"
-            )
-        return f"same tokens: {self.same} ({how}; {parts}{ties}{failed})"
-
-
-def teacher_forced_gaps(model, ids: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of the prompt ``ids`` [1, L] and ``tokens`` through ``model`` (no cache): at
-    each generated position, the top logit less the logit of the token there (0: its argmax),
-    and one unit in the last place of the top logit at the logits' dtype."""
-    device = next(model.parameters()).device
-    full = torch.cat([ids.cpu(), torch.tensor([tokens], dtype=ids.dtype)], dim=1).to(device)
-    with torch.no_grad():  # the head on the generated positions only: a long prompt's logits are vocab-wide
-        logits = model(full, use_cache=False, logits_to_keep=len(tokens) + 1).logits[0, : len(tokens)]
-    dtype, logits = logits.dtype, logits.float().cpu()
-    top = logits.max(-1).values
-    gaps = top - logits.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
-    return gaps, ulp(top, dtype)
-
-
-def compare_tokens(
-    tokens: list[int], reference: list[int], model=None, ids=None, tolerance_ulps: int = NEAR_TIE_ULPS
-) -> Verdict:
-    """The one comparison of the series. With the reference ``model`` and the prompt ``ids``:
-    teacher-forced, each of ``tokens`` the model's argmax after the ones before it, or a near
-    tie. Without ``model``: the lists must be equal, for two runs whose arithmetic is the same
-    by construction (one program, run twice on the same inputs)."""
-    parted = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
-    ended = None  # the same tokens, but one list stops where the other goes on: no tie explains that
-    if parted is None and len(tokens) != len(reference):
-        parted = ended = min(len(tokens), len(reference))
-    if model is None:
-        return Verdict(same=parted is None, exact=True, first_divergence=parted, tolerance_ulps=tolerance_ulps)
-    gaps, ulps = teacher_forced_gaps(model, ids, tokens) if tokens else (torch.zeros(0), torch.ones(0))
-    in_ulps = gaps / ulps
-    ties = [(i, float(g)) for i, (g, u) in enumerate(zip(gaps, in_ulps)) if 0 < u <= tolerance_ulps]
-    failed = min((i for i, u in enumerate(in_ulps) if u > tolerance_ulps), default=ended)
-    failed = failed if ended is None else min(failed, ended)
-    gap = float(gaps[parted]) if parted is not None and parted < len(tokens) else None
-    failed_ulps = float(in_ulps[failed]) if failed is not None and failed != ended else None
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    largest = float(in_ulps.max()) if len(in_ulps) else 0.0
-    return Verdict(failed is None, False, parted, gap, failed, ties, tolerance_ulps, failed_ulps, dtype, largest)
-
-
-def unpack_is_exact(device) -> bool:
-    """Whether compressed-tensors' own unpack returns the packed int4 codes on ``device``.
-
-    The default load path unpacks on the device at the first forward; on PyTorch/XLA 2.9
-    with compressed-tensors 0.15 this returns wrong codes (measured: about half of them):
-    its unpack shifts int32 words right, and there `>>` of a negative word rounds like a
-    division, off by one in every word with the top bit set.
-    """
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-
-    codes = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 4)
-    unpacked = unpack_from_int32(pack_to_int32(codes, 4).to(device), 4, codes.shape)
-    return torch.equal(unpacked.cpu(), codes)  # integer codes: right or wrong, no rounding

@@ -4,16 +4,13 @@ every input on the device, compiled once and reused for every token."""
 from __future__ import annotations
 
 import contextlib
-import functools
-import statistics
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
 from .backend import Backend
-from .checkpoint import compression_report, memory_report
-from .sampling import Sampler, Stops, stop_ids, until_stop
-from .timing import time_fn
+from .checkpoint import compression_report
+from .generate import Stops
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -122,11 +119,6 @@ def cache_read_bytes(model, cache) -> int:
     return total
 
 
-def device_bytes(model, cache: Cache) -> int:
-    """Weights and buffers (tied ones once) plus the KV cache, from their tensors."""
-    return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)
-
-
 def greedy_step(model, cache: Cache, token, position):
     """One decode step: the last token in, the next greedy token and its position out."""
     logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
@@ -134,64 +126,40 @@ def greedy_step(model, cache: Cache, token, position):
 
 
 class Decoder:
-    """The model with a static cache, a compiled prefill per bucket and one compiled decode step.
+    """The model on a static cache: a compiled prefill per bucket and one compiled decode step.
 
-    Args: ``model``, a Gemma 4 text model (``Gemma4ForCausalLM``) stripped of compressed-tensors'
-    wrappers, on ``backend``'s device; ``backend``, a ``Backend``; ``max_len``, the positions
-    the cache holds (prompt + new tokens); ``sampling``, a ``GenerationConfig`` whose
-    ``do_sample``, ``temperature``, ``top_k`` and ``top_p`` the compiled step applies (None:
-    greedy; see ``helpers.sampling``); ``compile_options`` go to ``torch.compile``.
+    ``model``: a Gemma 4 text model stripped of compressed-tensors' wrappers, on ``backend``'s
+    device; ``max_len``: the positions the cache holds; ``compile_options`` go to ``torch.compile``.
+    ``decode_step(token, position)`` takes and returns int64 device tensors [1, 1]: the next
+    token and ``position + 1``, chosen on the device by ``pick`` (greedy; notebook 08 samples)."""
 
-    ``decode_step(token, position)``: ``token`` and ``position`` are int64 device tensors of
-    shape [1, 1]; returns the next token and ``position + 1``, same shapes, still on the device
-    (chosen there by ``sampler``: no host round trip). ``step`` is the same, not compiled. With
-    ``tokens_per_call`` K > 1, ``generate`` calls ``decode_steps`` instead: K steps in one
-    compiled program, returning their tokens [1, K] and the last token and position.
-    ``prefill(ids)``: ``ids`` [1, L] int64 on the device; returns the first new token and its
-    position. ``generate(ids, new_tokens, ...)``: a list of at most ``new_tokens`` ints.
-    """
-
-    def __init__(
-        self, model, backend: Backend, max_len: int, tokens_per_call: int = 1, sampling=None, **compile_options
-    ):
-        if tokens_per_call < 1:
-            raise ValueError(f"tokens_per_call={tokens_per_call}: one compiled call makes at least one token")
+    def __init__(self, model, backend: Backend, max_len: int, **compile_options):
         self.model, self.backend, self.max_len = model, backend, max_len
-        self.tokens_per_call = tokens_per_call
-        self.sampler = Sampler(sampling)
-        # a device tensor, set in place by generate: a new seed is a new input, not a recompile
-        self.seed = torch.zeros(1, dtype=torch.long, device=backend.device)
         self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
-        self.decode_steps = backend.compile(self.steps, fullgraph=True, **compile_options)
         self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
 
     def new_cache(self, model, max_len: int) -> Cache:
         return static_cache(model, max_len)
 
+    def pick(self, logits, positions):
+        """The next token [N, 1] from logits [N, vocab], to go at ``positions`` [N]: the argmax."""
+        return logits.argmax(-1, keepdim=True)
+
     def step(self, token, position):
         self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
         logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
-        return self.sampler(logits[:, -1], position.view(-1) + 1, self.seed), position + 1
-
-    def steps(self, token, position):
-        """``tokens_per_call`` decode steps in one program (unrolled by the trace), each token
-        fed to the next on the device: returns their tokens [1, K] and the last token and position."""
-        tokens = []
-        for _ in range(self.tokens_per_call):
-            token, position = self.step(token, position)
-            tokens.append(token)
-        return torch.cat(tokens, dim=1), token, position
+        return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
 
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        # the head on the last real position only, not on the whole bucket: at E2B's vocabulary of
-        # 262,144 a 4096-token bucket's logits would be 2.1 GB of bf16 at the prefill's peak
+        # the head on the last real position only: at E2B's 262,144 tokens a 4096-token bucket's
+        # logits would be 2.1 GB of bf16
         logits = self.model(
             input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
         ).logits
-        return self.sampler(logits[0], last + 1, self.seed)  # the token after the last real one
+        return self.pick(logits[0], last + 1)  # the token after the last real one
 
     def bucket(self, length: int) -> int:
         """The padded prefill length: the smallest bucket that holds the prompt."""
@@ -202,9 +170,8 @@ class Decoder:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, start: int = 0):
-        """The prompt, right-padded to its bucket, through the model; returns the first new
-        token and its position (device tensors). Padding comes after the prompt, so causal
-        attention keeps it out of every real position; the cache is then rewound over it."""
+        """The prompt, right-padded to its bucket (causal attention keeps the padding out of every
+        real position; the cache is rewound over it); returns the first new token and its position."""
         if start:
             raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
         length = ids.shape[1]
@@ -217,39 +184,34 @@ class Decoder:
 
     @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
     def call(self, token, position):
-        """One compiled call: ``decode_step`` (one token), or with ``tokens_per_call`` K > 1
-        ``decode_steps`` (notebook 07: K tokens in one program). Returns the tokens it made [1, K]
-        and the last token and position, all still on the device."""
-        if self.tokens_per_call == 1:
-            token, position = self.decode_step(token, position)
-            return token, token, position
-        return self.decode_steps(token, position)
+        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the
+        last token and its position, all on the device."""
+        token, position = self.decode_step(token, position)
+        return token, token, position
 
-    def check_room(self, length: int, new_tokens: int, start: int = 0) -> None:
-        """Refuse, with the numbers, a run the cache cannot hold (the last call makes K tokens)."""
-        k = self.tokens_per_call
-        if start + length + new_tokens + k - 1 > self.max_len:
-            extra = f" (+ {k - 1}: the last call makes {k})" if k > 1 else ""
+    def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
+        """Refuse, with the numbers, a run the cache cannot hold."""
+        if start + length + new_tokens + extra > self.max_len:
             held = f"{start} positions held + " if start else ""
+            more = f" (+ {extra}: the last call's)" if extra else ""
             raise ValueError(
-                f"{held}prompt {length} + {new_tokens} new tokens{extra} exceed the cache's {self.max_len} positions"
+                f"{held}prompt {length} + {new_tokens} new tokens{more} exceed the cache's {self.max_len} positions"
             )
 
+    def stops(self, history: list[int], stop_ids) -> Stops:
+        """Where a run stops: after the first of ``stop_ids`` (None: the model's)."""
+        return Stops(self.model, history, stop_ids)
+
     @torch.no_grad()
-    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, **later):
-        """At most ``new_tokens`` tokens after ``ids`` [1, L], each chosen on the device and fed
-        straight back; read to the host every ``readback_every`` tokens (1: every token) and at
-        the end, where ``Stops`` checks them: after the first of ``stop_ids`` (default: the
-        model's, as ``generate``; ``()``: exactly ``new_tokens``, for timing). A transformers
-        ``streamer`` gets the prompt, then each chunk. What later notebooks add, in ``later``:
-        ``start`` (06, 08: the prompt goes on after that many positions in the cache), ``seed``
-        (08: the sampler's), ``stop_strings`` with ``tokenizer`` (08)."""
-        start, seed = later.pop("start", 0), later.pop("seed", 0)
+    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
+        """At most ``new_tokens`` tokens after ``ids`` [1, L] (``start``: after that many positions
+        already in the cache), each fed straight back on the device and read to the host every
+        ``readback_every`` tokens, where ``stops`` cuts them (``stop_ids=()``: exactly
+        ``new_tokens``). A transformers ``streamer`` gets the prompt, then each chunk."""
         self.check_room(ids.shape[1], new_tokens, start)
-        stops = Stops(self.model, ids[0].tolist(), stop_ids, **later)
+        stops = self.stops(ids[0].tolist(), stop_ids)
         if streamer is not None:
             streamer.put(ids.cpu())
-        self.seed.fill_(seed)
         token, position = self.prefill(ids, start)
         tokens, pending, made = [], [token], 1
         while True:
@@ -266,26 +228,7 @@ class Decoder:
                     return tokens
             block, token, position = self.call(token, position)
             pending.append(block)
-            made += self.tokens_per_call
-
-
-@torch.no_grad()
-def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
-    """Where the time of ``steps`` compiled decode calls goes, after a prefill of ``ids``:
-    torch.profiler's table of the ``rows`` ops with the most self time, host (CPU) activity
-    everywhere and the GPU's kernels on cuda. On tpu and xla it sees the host's side only
-    (dispatch, guards, waiting for the device); the device's own ops are in the backend's
-    profiler (TorchTPU's, PyTorch/XLA's ``torch_xla.debug.profiler``), not wired in here."""
-    from torch.profiler import profile
-
-    token, position = decoder.prefill(ids)
-    decoder.backend.sync()
-    with profile(activities=decoder.backend.profiler_activities) as prof:
-        for _ in range(steps):
-            _, token, position = decoder.call(token, position)
-        decoder.backend.flush()
-        decoder.backend.sync()
-    return prof.key_averages().table(sort_by=decoder.backend.profiler_sort, row_limit=rows)
+            made += block.shape[1]
 
 
 @contextlib.contextmanager
@@ -293,55 +236,3 @@ def no_recompiles():
     """A recompile inside the block raises instead of silently compiling again."""
     with torch._dynamo.config.patch(error_on_recompile=True):
         yield
-
-
-def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
-    """``repeats`` timed runs of exactly ``new_tokens`` (no stop), each after a prefill timed
-    alone: prefill seconds (median), and decode tokens/s over the tokens after the first (a
-    run's time less its prefill's), median and per run; ``tokens``: the runs' tokens up to the
-    first stop id (every run must give the same)."""
-    sync = decoder.backend.sync
-    prefills, runs, outputs = [], [], []
-    for _ in range(repeats):  # alternated, so both see the same state of a shared machine
-        prefills += time_fn(lambda: decoder.prefill(ids)[0], sync=sync, warmup=0, repeats=1).times
-        run = time_fn(decoder.generate, ids, new_tokens, readback_every, stop_ids=(), sync=sync, warmup=0, repeats=1)
-        runs += run.times
-        outputs.append(run.last)
-    if any(out != outputs[0] for out in outputs):
-        raise AssertionError(f"the {repeats} timed runs of one greedy decoder gave different tokens")
-    rates = [(new_tokens - 1) / max(run - prefill, 1e-9) for run, prefill in zip(runs, prefills)]
-    return {
-        "tokens": until_stop(outputs[0], stop_ids(decoder.model)),
-        "prefill_s": statistics.median(prefills),
-        "decode_tok_s": statistics.median(rates),
-        "rates": rates,
-    }
-
-
-def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
-    """The trap this notebook avoids, counted: transformers' own ``StaticCache`` in a decode
-    step compiled with static shapes. Its sliding layers count tokens in a Python int, so every
-    position is a new guard: graphs compiled at each of ``steps`` steps. Dynamo's ``eager``
-    backend keeps the count cheap: when dynamo recompiles does not depend on the backend.
-    Returns the graphs compiled per step, and dynamo's error if it gave up (its recompile limit)."""
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
-
-    compiled = torch.compile(
-        functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True
-    )
-    with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        position = torch.tensor([[ids.shape[1]]], device=ids.device)
-        counts = []
-        torch._dynamo.reset()
-        for _ in range(steps):
-            try:
-                with backend.compile_counter() as count:
-                    token, position = compiled(token, position)
-            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
-                return counts, str(err).splitlines()[0]
-            counts.append(count.graphs)
-    return counts, None

@@ -1,18 +1,17 @@
-"""The baseline: Hugging Face ``generate`` (greedy), streamed, timed per step, and the
-reference tokens every later notebook must reproduce."""
+"""The baseline: Hugging Face ``generate`` (greedy), streamed and timed per step; where a run
+stops (the model's stop ids, stop strings), as ``generate`` decides it."""
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import html
-import statistics
 import time
 
 import torch
-from transformers import TextStreamer
+from transformers import StopStringCriteria, TextStreamer
 
 from .backend import Backend
-from .sampling import greedy_config, stop_ids, until_stop
 
 
 class StepStreamer(TextStreamer):
@@ -62,16 +61,6 @@ class StepStreamer(TextStreamer):
         return [b - a for a, b in zip(self.programs, self.programs[1:])]
 
 
-def text_widget():
-    """An ipywidgets HTML box, shown in the notebook, for ``StepStreamer`` to write into."""
-    import ipywidgets
-    from IPython.display import display
-
-    widget = ipywidgets.HTML()
-    display(widget)
-    return widget
-
-
 def generate(
     model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, stop: bool = True, **kwargs
 ):
@@ -99,75 +88,68 @@ def compiled_forward(model, **compile_options):
         del model.forward
 
 
-def measure(
-    model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs
-) -> dict:
-    """Prefill seconds and decode tokens/s, each the median over ``repeats`` runs after
-    ``warmup`` runs of exactly ``new_tokens`` (no stop: every run times the same count);
-    every step ends with the token on the host, so the device is synced. ``tokens``: those
-    up to the first stop id, for comparison."""
-    runs = []
-    for i in range(warmup + repeats):
-        tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)
-        if i >= warmup:
-            runs.append(streamer.step_seconds)
-    prefill = statistics.median(r[0] for r in runs)
-    rates = [(len(r) - 1) / sum(r[1:]) for r in runs]
-    return {
-        "prefill_s": prefill,
-        "decode_tok_s": statistics.median(rates),
-        "tok_s_spread": max(rates) / min(rates),
-        "rates": rates,
-        "tokens": until_stop(tokens, stop_ids(model)),
-        "repeats": repeats,
-    }
+def stop_strings_criteria(tokenizer, stop_strings) -> StopStringCriteria | None:
+    """transformers' own check for stop strings, or None for none."""
+    if not stop_strings:
+        return None
+    return StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
 
 
-def ops_per_step(model, context: int = 26) -> dict[str, int]:
-    """The aten ops one eager decode step runs after a ``context``-token prompt, counted by
-    torch's dispatcher (a ``TorchDispatchMode``: no profiler counts ops on the meta device):
-    ``compute``, those that make new data, each a launch from the host in eager mode, and
-    ``views``, metadata only. Works on the meta device, so on E2B's real configuration."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    counts = {"compute": 0, "views": 0}
-
-    class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            counts["views" if func.is_view else "compute"] += 1
-            return func(*args, **(kwargs or {}))
-
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        cache = model(torch.zeros(1, context, dtype=torch.long, device=device), use_cache=True).cache
-        token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        with Count():
-            model(token, cache=cache, use_cache=True)
-    return counts
+def first_stop(history: list[int], chunk: list[int], stop_ids, criteria: StopStringCriteria | None = None):
+    """How many of ``chunk``'s tokens to keep when it stops: up to and including the first stop
+    id, or the first token that completes a stop string (``criteria``, checked against
+    ``history`` then the chunk, as ``generate`` checks it after every token); None if it goes on."""
+    for i, token in enumerate(chunk):
+        if token in stop_ids:
+            return i + 1
+        if criteria is not None and bool(criteria(torch.tensor([history + chunk[: i + 1]]), None)[0]):
+            return i + 1
+    return None
 
 
-# Under defer-and-fuse every step of a first call is a new shape, so a whole-model compile:
-# 8 steps show it (32 would mean 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
-DEFER_AND_FUSE_TOKENS = 8
+def stop_ids(model) -> list[int]:
+    """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
+    Gemma 4's and the twin's: ``<eos>`` and ``<turn|>``)."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: int) -> dict[str, dict]:
-    """Per mode (eager, and defer-and-fuse where the backend has it): seconds per step of the
-    first call and of a second, identical call, and the device programs each step compiled.
-    Defer-and-fuse generates at most ``DEFER_AND_FUSE_TOKENS``."""
-    calls = {}
-    for mode in backend.modes:
-        if mode == "compile":
-            continue  # HF generate as such is not compiled here: notebook 04 compiles a decode step
-        length = min(new_tokens, DEFER_AND_FUSE_TOKENS) if mode == "defer_and_fuse" else new_tokens
-        with backend.mode(mode):
-            tokens, first, _ = generate(model, tokenizer, ids, backend, length)
-            _, second, _ = generate(model, tokenizer, ids, backend, length)
-        calls[mode] = {
-            "tokens": tokens,
-            "first": first.step_seconds,
-            "second": second.step_seconds,
-            "programs_first": first.step_programs,
-            "programs_second": second.step_programs,
-        }
-    return calls
+def until_stop(tokens: list[int], stops) -> list[int]:
+    """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
+    return tokens[: first_stop([], tokens, stops)]
+
+
+def greedy_config(model, new_tokens: int, stop: bool = True):
+    """Greedy, at most ``new_tokens`` tokens, stopping at the model's stop ids as ``generate``
+    does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
+    ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
+    config = copy.deepcopy(model.generation_config)
+    config.update(
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=None,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        return_dict_in_generate=True,
+        eos_token_id=stop_ids(model) if stop else [],
+    )
+    return config
+
+
+class Stops:
+    """Where a run stops, checked on each chunk of tokens read back to the host: after the first
+    of ``ids`` (default: ``model``'s stop ids, as ``generate``; ``()``: never), or where
+    ``criteria`` (transformers' ``StopStringCriteria``: stop strings) says, with the tokens
+    already read (``history``, the prompt's first) as context."""
+
+    def __init__(self, model, history: list[int], ids=None, criteria: StopStringCriteria | None = None):
+        self.ids = set(stop_ids(model) if ids is None else ids)
+        self.criteria, self.history = criteria, list(history)
+
+    def cut(self, chunk: list[int]) -> tuple[list[int], bool]:
+        """The chunk up to and including its first stop, and whether it stopped there."""
+        keep = first_stop(self.history, chunk, self.ids, self.criteria)
+        chunk = chunk[:keep]
+        self.history += chunk
+        return chunk, keep is not None

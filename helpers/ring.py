@@ -7,17 +7,13 @@ reads each K/V head once for the query heads that share it (``grouped_attention`
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
-from tqdm.auto import tqdm
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .decode import Decoder, allocated_layers, cache_bytes, cache_read_bytes, greedy_step, kv_buffers
-from .sampling import greedy_config
-from .timing import time_fed, time_fn
+from .decode import Decoder, allocated_layers, kv_buffers
 
 EMPTY = -1  # the position of a slot never written
 GROUPED = "grouped_sdpa"  # the attention implementation ``group_query_heads`` sets
@@ -281,9 +277,9 @@ class RingDecoder(Decoder):
 
     @torch.no_grad()
     def call(self, token, position):
-        """``Decoder.call`` on the smallest bucket that holds the call's positions."""
-        self.fit(self.at + self.tokens_per_call)
-        self.at += self.tokens_per_call
+        """``Decoder.call`` on the smallest bucket that holds the call's position."""
+        self.fit(self.at + 1)
+        self.at += 1
         return super().call(token, position)
 
     def forward_chunk(self, tokens, positions, valid):
@@ -303,12 +299,12 @@ class RingDecoder(Decoder):
     def step(self, token, position):
         self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
         logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device))
-        return self.sampler(logits[:, -1], position.view(-1) + 1, self.seed), position + 1
+        return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
 
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
         logits = self.forward_chunk(tokens, positions, valid)[0].index_select(0, last)
-        return self.sampler(logits, positions[0].index_select(0, last) + 1, self.seed)
+        return self.pick(logits, positions[0].index_select(0, last) + 1)
 
     def chunks(self, length: int, device, offset: int = 0):
         """(start, positions [1, C], valid [C]) for each fixed-size chunk of a ``length``-token
@@ -341,101 +337,3 @@ class RingDecoder(Decoder):
             last = torch.tensor([min(length - 1 - first, self.chunk_size - 1)], device=ids.device)
             token = self.prefill_step(tokens, positions, valid, last)
         return token, torch.tensor([[start + length]], device=ids.device)
-
-
-@torch.no_grad()
-def context_sweep(
-    decoder: RingDecoder,
-    lengths,
-    steps: int,
-    hf_default: bool = True,
-    eager: bool = False,
-    bucketed: RingDecoder | None = None,
-) -> list[dict]:
-    """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled;
-    also not compiled if ``eager``), on ``bucketed`` (the same ring with length buckets) if
-    given, and, if ``hf_default``, on HF's default cache (what ``generate`` builds: a
-    ``DynamicCache``, whole-prompt prefill, eager), side by side; the cache's bytes, and what a
-    step reads of them (``cache_read_bytes``), from the cache tensors. Each decoder is compiled for
-    each length before it is timed (a bucket's first use compiles its programs)."""
-    backend, model, rows = decoder.backend, decoder.model, []
-
-    def ms_per_step(step, token, position):
-        return 1e3 * time_fed(step, (token, position), sync=backend.sync, repeats=steps).median
-
-    def calls(ring):  # one decode call fed its own token, on the bucket that holds it
-        return lambda token, position: ring.call(token, position)[1:]
-
-    def once(fn, *args, **kwargs):  # a prefill: timed once, its output kept
-        return time_fn(fn, *args, sync=backend.sync, warmup=0, repeats=1, **kwargs)
-
-    vocab = model.config.get_text_config().vocab_size
-    prompts = [
-        torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device) for n in lengths
-    ]
-    rings = {"ring": decoder} | ({"buckets": bucketed} if bucketed is not None else {})
-    for ids in tqdm(prompts, desc="contexts"):
-        length, row = ids.shape[1], {"context": ids.shape[1]}
-        for name, ring in rings.items():
-            ring.generate(ids, steps + 1, stop_ids=())  # compiled for this length (its bucket's programs)
-            prefill = once(ring.prefill, ids)
-            row[f"{name} prefill s"] = prefill.median
-            row[f"{name} ms/token"] = ms_per_step(calls(ring), *prefill.last)
-            row[f"{name} cache bytes"] = cache_bytes(ring.cache)
-            row[f"{name} bytes read"] = cache_read_bytes(model, ring.cache)
-        if eager:
-            token, position = decoder.prefill(ids)
-            row["ring eager ms/token"] = ms_per_step(decoder.step, token, position)
-        if hf_default:
-            prefill = once(model, ids, use_cache=True)
-            out = prefill.last
-            row["HF prefill s"] = prefill.median
-            step = functools.partial(greedy_step, model, out.past_key_values)
-            row["HF ms/token"] = ms_per_step(
-                step, out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[length]], device=backend.device)
-            )
-            row["HF cache bytes"] = cache_bytes(out.past_key_values)
-        rows.append(row)
-    return rows
-
-
-@torch.no_grad()
-def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
-    """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
-    ``new_tokens``). ``compiled``: the forward compiled as HF's recipe does, counting the graphs
-    dynamo makes before each token reaches the host (its ``eager`` backend: when dynamo
-    recompiles does not depend on the backend). Returns (tokens, the cache, graphs per token;
-    None when not compiled). Each token ends ``backend``'s deferred group, as notebook 03's
-    streamer does (else lazy XLA grows one graph over the whole run)."""
-    from torch._dynamo.utils import counters
-
-    if compiled and not backend.runs_compiled_generate:
-        raise NotImplementedError(
-            "generate with a compiled forward over lazy XLA tensors crashes torch_xla 2.9's process: "
-            "on xla use RingDecoder.generate (compiled with openxla) or compiled=False"
-        )
-
-    class Graphs:  # a streamer that only counts
-        def __init__(self):
-            self.seen: list[int] = []
-
-        def put(self, value):
-            backend.flush()
-            self.seen.append(counters["stats"]["unique_graphs"])
-
-        def end(self):
-            pass
-
-    cache, graphs = RingCache(model, max_len, model.config.get_text_config().sliding_window), Graphs()
-    if compiled:
-        model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
-    try:
-        with inside_generate(model):
-            out = model.generate(
-                ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
-            )
-    finally:
-        if compiled:
-            del model.forward  # back to the class's own, eager
-    per_token = [b - a for a, b in zip(graphs.seen, graphs.seen[1:])] if compiled else None
-    return out.sequences[0, ids.shape[1] :].tolist(), cache, per_token

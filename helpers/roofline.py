@@ -2,40 +2,15 @@
 cache once per token, so tok/s is bounded by bandwidth / bytes read per token. Here: the bytes
 one step reads, from the tensors as they are stored on the device; the bandwidth this device
 reads at, from a read probe (on a TPU, Google's published figure, labelled as such); and the
-columns that follow, GB/s achieved and % of that bandwidth."""
+columns that follow, GB/s achieved and % of that bandwidth. And K tokens per compiled call
+(``KDecoder``): one dispatch for K steps."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .backend import Backend, get_backend
-from .decode import cache_read_bytes
-from .timing import time_fn
-
-READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread
-
-
-@functools.cache
-def _probe(name: str, device: str, megabytes: int) -> tuple[float, float]:
-    backend = get_backend(name)
-    data = torch.randn(megabytes * 2**20 // 4, device=backend.device)
-    timing = time_fn(torch.amax, data, sync=lambda: (backend.flush(), backend.sync()), warmup=2, repeats=READS)
-    return data.numel() * data.element_size() / timing.min, timing.max / timing.min
-
-
-def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
-    """Bytes per second this device reads at, and where the figure comes from: the max of
-    ``megabytes`` of float32 (it reads every byte once and does next to nothing else), the
-    best of ``READS`` reads, measured once per process, with their spread in the description
-    (a busy machine shows there); on a TPU, the published v5e figure. Not a matrix-vector
-    product: on a CPU the compiled step's own loops read faster than MKL's
-    (``benchmarks/matvec.py``)."""
-    if backend.published_bandwidth:
-        return backend.published_bandwidth
-    best, spread = _probe(backend.name, str(backend.device), megabytes)
-    return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
+from .backend import Backend
+from .decode import Decoder, cache_read_bytes
 
 
 def _tensors(module) -> dict[int, torch.Tensor]:
@@ -70,3 +45,30 @@ def columns(bytes_per_token: int, tok_s: float, bandwidth: float) -> dict:
         "pct_of_bw": 100 * bytes_per_token * tok_s / bandwidth,
         "ceiling_tok_s": bandwidth / bytes_per_token,
     }
+
+
+class KDecoder(Decoder):
+    """Notebook 04's decoder making ``tokens_per_call`` K tokens per compiled call: K steps
+    unrolled into one program, each token fed to the next on the device. ``call`` returns
+    their tokens [1, K] and the last token and position."""
+
+    def __init__(self, model, backend: Backend, max_len: int, tokens_per_call: int, **compile_options):
+        if tokens_per_call < 1:
+            raise ValueError(f"tokens_per_call={tokens_per_call}: one compiled call makes at least one token")
+        super().__init__(model, backend, max_len, **compile_options)
+        self.tokens_per_call = tokens_per_call
+        self.decode_steps = backend.compile(self.steps, fullgraph=True, **compile_options)
+
+    def steps(self, token, position):
+        tokens = []
+        for _ in range(self.tokens_per_call):
+            token, position = self.step(token, position)
+            tokens.append(token)
+        return torch.cat(tokens, dim=1), token, position
+
+    @torch.no_grad()
+    def call(self, token, position):
+        return self.decode_steps(token, position)
+
+    def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
+        super().check_room(length, new_tokens, start, self.tokens_per_call - 1)  # the last call makes K

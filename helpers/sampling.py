@@ -2,21 +2,22 @@
 semantics of transformers' ``GenerationConfig`` (its own logits warpers, in ``generate``'s
 order), then one draw per token by the Gumbel-max trick from noise keyed on (seed, position):
 no generator state in the compiled program, no host round trip, and the same tokens whatever
-the tokens per call. And where a run stops: the model's stop ids, stop strings, and the greedy
-configuration every step of the series compares against."""
+the tokens per call. ``Sampled`` gives a decoder the sampler and stop strings."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
-from transformers import GenerationConfig, StopStringCriteria
+from transformers import GenerationConfig
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
+
+from .decode import Decoder
+from .generate import Stops, stop_strings_criteria
+from .ring import RingDecoder
 
 # the sampling settings the compiled step runs; generate's other warpers are refused, not ignored
 UNSUPPORTED = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
@@ -101,71 +102,34 @@ def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Ten
     return -torch.log(-torch.log(uniform))
 
 
-def stop_strings_criteria(tokenizer, stop_strings) -> StopStringCriteria | None:
-    """transformers' own check for stop strings, or None for none."""
-    if not stop_strings:
-        return None
-    return StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+class Sampled:
+    """What notebook 08 adds to a decoder (first among a decoder class's bases): its compiled step
+    samples with ``Sampler(sampling)``, its noise keyed on ``generate``'s ``seed`` (a device
+    tensor, so a new seed is a new input, not a recompile), and a run stops at ``stop_strings``
+    too (with the ``tokenizer``, as transformers' ``generate``)."""
 
+    def __init__(self, *args, sampling: GenerationConfig | None = None, **kwargs):
+        self.sampler, self.stop_strings, self.tokenizer = Sampler(sampling), None, None
+        super().__init__(*args, **kwargs)
+        self.seed = torch.zeros(1, dtype=torch.long, device=self.backend.device)
 
-def first_stop(history: list[int], chunk: list[int], stop_ids, criteria: StopStringCriteria | None = None):
-    """How many of ``chunk``'s tokens to keep when it stops: up to and including the first stop
-    id, or the first token that completes a stop string (``criteria``, checked against
-    ``history`` then the chunk, as ``generate`` checks it after every token); None if it goes on."""
-    for i, token in enumerate(chunk):
-        if token in stop_ids:
-            return i + 1
-        if criteria is not None and bool(criteria(torch.tensor([history + chunk[: i + 1]]), None)[0]):
-            return i + 1
-    return None
+    def pick(self, logits, positions):
+        return self.sampler(logits, positions, self.seed)
 
+    def stops(self, history: list[int], stop_ids) -> Stops:
+        return Stops(self.model, history, stop_ids, stop_strings_criteria(self.tokenizer, self.stop_strings))
 
-def stop_ids(model) -> list[int]:
-    """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
-    Gemma 4's and the twin's: ``<eos>`` and ``<turn|>``)."""
-    eos = model.generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-
-def until_stop(tokens: list[int], stops) -> list[int]:
-    """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
-    return tokens[: first_stop([], tokens, stops)]
-
-
-def greedy_config(model, new_tokens: int, stop: bool = True):
-    """Greedy, at most ``new_tokens`` tokens, stopping at the model's stop ids as ``generate``
-    does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
-    ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
-    config = copy.deepcopy(model.generation_config)
-    config.update(
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        min_new_tokens=None,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-        return_dict_in_generate=True,
-        eos_token_id=stop_ids(model) if stop else [],
-    )
-    return config
-
-
-class Stops:
-    """Where a run stops, checked on each chunk of tokens read back to the host: after the first
-    of ``ids`` (default: ``model``'s stop ids, as ``generate``; ``()``: never), or at the first of
-    ``stop_strings`` (transformers' ``StopStringCriteria``, which needs the ``tokenizer``), with
-    the tokens already read (``history``, the prompt's first) as context."""
-
-    def __init__(self, model, history: list[int], ids=None, stop_strings=None, tokenizer=None):
+    def generate(self, ids, new_tokens: int, *args, seed: int = 0, stop_strings=None, tokenizer=None, **kwargs):
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer (tokenizer=...), as in transformers' generate")
-        self.ids = set(stop_ids(model) if ids is None else ids)
-        self.criteria = stop_strings_criteria(tokenizer, stop_strings)
-        self.history = list(history)
+        self.seed.fill_(seed)
+        self.stop_strings, self.tokenizer = stop_strings, tokenizer
+        return super().generate(ids, new_tokens, *args, **kwargs)
 
-    def cut(self, chunk: list[int]) -> tuple[list[int], bool]:
-        """The chunk up to and including its first stop, and whether it stopped there."""
-        keep = first_stop(self.history, chunk, self.ids, self.criteria)
-        chunk = chunk[:keep]
-        self.history += chunk
-        return chunk, keep is not None
+
+class SampledDecoder(Sampled, Decoder):
+    """Notebook 04's decoder, sampling."""
+
+
+class SampledRingDecoder(Sampled, RingDecoder):
+    """Notebook 06's decoder on the ring, sampling: what the chat runs."""

@@ -43,7 +43,7 @@
 # `pip install -r requirements.txt`: it then installs nothing.
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -55,8 +55,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -113,8 +113,8 @@ helpers.show(helpers.op_stack)
 import torch
 
 results = helpers.Results()
-rows = helpers.steps.record_modes(backend, results)
-print(helpers.tables.table(rows))
+rows = helpers.course.steps.record_modes(backend, results)
+print(helpers.course.tables.table(rows))
 
 x = torch.randn(256, 256).to(backend.device)
 outs = [backend.in_mode(helpers.op_stack, mode)(x).cpu() for mode in backend.modes]
@@ -130,7 +130,11 @@ if "eager" in counted:
 
 # %%
 fig = results.chart(
-    "speedup_vs_eager", "op stack: speed-up over eager", source="source_speedup", step=helpers.steps.MODES, log=True
+    "speedup_vs_eager",
+    "op stack: speed-up over eager",
+    source="source_speedup",
+    step=helpers.course.steps.MODES,
+    log=True,
 )
 
 # %% [markdown]
@@ -160,7 +164,7 @@ for mode in backend.modes:
     if mode == "eager":
         continue
     demo = helpers.shape_demo(backend, mode, sizes=(64, 64, 128, 128, 96))
-    print(f"-- {mode}\n" + helpers.tables.table(demo))
+    print(f"-- {mode}\n" + helpers.course.tables.table(demo))
     assert [r["new_compilations"] for r in demo] == [1, 0, 1, 0, 1], demo
 
 # %% [markdown]
@@ -182,9 +186,9 @@ for mode in backend.modes:
 # @title Solution 1 (open it after you predicted)
 # Eager pays a launch per op whatever the size, so it grows by less than the bytes while launches
 # dominate; one fused program pays for its bytes, so it grows nearer four times.
-bigger = helpers.modes.compare_modes(backend, size=512, repeats=5)
+bigger = helpers.course.measure.compare_modes(backend, size=512, repeats=5)
 print(
-    helpers.tables.table(
+    helpers.course.tables.table(
         [{"mode": a["mode"], "ms at 256": a["median_ms"], "ms at 512": b["median_ms"]} for a, b in zip(rows, bigger)]
     )
 )

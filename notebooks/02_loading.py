@@ -39,7 +39,7 @@
 # says how (the Colab secret `HF_TOKEN`, or `huggingface_hub.login()`).
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -51,8 +51,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -97,7 +97,7 @@ helpers.install_missing()
 # recovers it exactly).
 #
 # To run the series on the QAT weights instead, one switch before this cell:
-# `os.environ["HELPERS_MODEL"] = helpers.hub.QAT_REPO_ID`. They load through the same code (no
+# `os.environ["HELPERS_MODEL"] = helpers.course.hub.QAT_REPO_ID`. They load through the same code (no
 # quantization config, so nothing to decompress), dense bf16 from the start: what the path below
 # reaches anyway after its first forward.
 
@@ -118,7 +118,7 @@ print(backend.describe())
 # the model ties `lm_head` to `embed_tokens`.
 
 # %%
-from helpers.tables import fmt_bytes, table
+from helpers.course.tables import fmt_bytes, table
 
 print(table(helpers.checkpoint.name_map(checkpoint)))
 print("mapping given to from_pretrained(key_mapping=...):", helpers.packed.KEY_MAPPING)
@@ -132,8 +132,8 @@ print("mapping given to from_pretrained(key_mapping=...):", helpers.packed.KEY_M
 # count bytes per component in bf16 and in int4 with bf16 scales.
 
 # %%
-e2b = helpers.e2b.real_config()
-components = helpers.e2b.component_bytes(helpers.e2b.meta_model(e2b))
+e2b = helpers.course.e2b.real_config()
+components = helpers.course.e2b.component_bytes(helpers.course.e2b.meta_model(e2b))
 print(table([{**r, "bf16": fmt_bytes(r["bf16_bytes"]), "int4": fmt_bytes(r["int4_bytes"])} for r in components]))
 by_name = {r["component"]: r for r in components}
 assert by_name["embed_tokens_per_layer"]["bf16_bytes"] == 4_697_620_480
@@ -154,12 +154,12 @@ assert "linears (276)" in by_name  # the checkpoint's 276 packed linears
 
 # %%
 v5e_hbm = helpers.backend.V5E_HBM_BYTES  # 15.75 GiB: what a v5e-1 reports it gives programs
-print(helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=v5e_hbm, where="an empty v5e-1"))
+print(helpers.course.hub.preflight(e2b, backend, dequantize=False, available=v5e_hbm, where="an empty v5e-1"))
 try:
-    helpers.checkpoint.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
+    helpers.course.hub.preflight(e2b, backend, dequantize=False, available=8 * 10**9, where="a device with 8 GB free")
 except helpers.checkpoint.CheckpointError as err:
     print(err)
-print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.e2b.fit_options(e2b)]))
+print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.course.e2b.fit_options(e2b)]))
 
 # %% [markdown]
 # ## Path 1: compressed-tensors' default
@@ -169,6 +169,8 @@ print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.e2b.fit_opti
 
 # %%
 device_before = backend.memory()
+config = helpers.checkpoint.text_config(helpers.checkpoint.read_config(checkpoint.path))
+print(helpers.course.hub.preflight(config, backend, dequantize=False))  # this checkpoint on this device
 model, load_s = helpers.checkpoint.load(checkpoint, backend)
 print(
     f"loaded in {load_s:.2f} s onto {backend.device}; lm_head tied to embed_tokens:",
@@ -212,8 +214,8 @@ def bf16(report):
 
 assert not any(r["kind"] == "packed int4" for r in after_forward) and bf16(after_forward) > bf16(after_load)
 results = helpers.Results()
-helpers.steps.record_loading(results, backend, checkpoint, "compressed (default)", model, load_s)
-default_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
+helpers.course.steps.record_loading(results, backend, checkpoint, "compressed (default)", model, load_s)
+default_tokens = helpers.course.verdict.greedy_tokens(model, ids, new_tokens)
 # One model on the device at a time. `del model` alone can leave it all held: compressed-tensors
 # binds forwards onto modules (reference cycles), so on a 15.75 GiB v5e-1 the next load's preflight
 # would refuse. `unload` empties the model's tensors, collects, and prints the device bytes.
@@ -226,6 +228,7 @@ del model
 # wrapped forwards, no hooks. Same bytes on the device, nothing left to surprise you later.
 
 # %%
+print(helpers.course.hub.preflight(config, backend, dequantize=True))
 model, load_s = helpers.checkpoint.load(checkpoint, backend, dequantize=True)
 dense = helpers.checkpoint.memory_report(model)
 print(f"loaded in {load_s:.2f} s")
@@ -233,8 +236,8 @@ print(table(dense))
 report = {r["what"]: r["count"] for r in helpers.checkpoint.compression_report(model)}
 print(report)
 assert report["modules with a wrapped forward"] == 0 and report["modules with forward hooks"] == 0
-helpers.steps.record_loading(results, backend, checkpoint, "dequantize=True", model, load_s)
-dense_tokens = helpers.checkpoint.greedy_tokens(model, ids, new_tokens)
+helpers.course.steps.record_loading(results, backend, checkpoint, "dequantize=True", model, load_s)
+dense_tokens = helpers.course.verdict.greedy_tokens(model, ids, new_tokens)
 helpers.checkpoint.unload(model, backend)
 del model
 
@@ -244,7 +247,7 @@ def by_kind(report):
     return {k: sum(r["bytes"] for r in report if r["kind"] == k) for k in dict.fromkeys(r["kind"] for r in report)}
 
 
-fig = helpers.charts.stacked_bars(
+fig = helpers.course.charts.stacked_bars(
     {
         "default,\nafter load": by_kind(after_load),
         "default,\nafter 1st forward": by_kind(after_forward),
@@ -268,10 +271,10 @@ fig = helpers.charts.stacked_bars(
 # negative word rounds like a division), so that path's tokens differ. `dequantize=True` unpacks on the host and is right everywhere.
 
 # %%
-expected = helpers.checkpoint.check_tokens(backend, checkpoint, ids, new_tokens)
+expected = helpers.course.verdict.check_tokens(backend, checkpoint, ids, new_tokens)
 # equal lists: one model class, the same weight values and dtype on one device run the same program
 dense_same, default_same = dense_tokens == expected, default_tokens == expected
-exact_unpack = helpers.checkpoint.unpack_is_exact(backend.device)
+exact_unpack = helpers.course.verdict.unpack_is_exact(backend.device)
 print("reference tokens:", expected)
 print("same tokens, dequantize=True:", dense_same)
 print("same tokens, default path:", default_same, "| unpack exact on this device:", exact_unpack)
@@ -300,7 +303,7 @@ print(results.table(["step", "label", "backend", "load_s", "device_bytes"]))
 # Every weight ends as bf16 either way (embeddings tied: stored once); the default path also keeps
 # each linear's bf16 group scales beside its expanded weight.
 for dequantize in (True, False):
-    needed = helpers.e2b.estimate_device_bytes(e2b, dequantize)
+    needed = helpers.course.e2b.estimate_device_bytes(e2b, dequantize)
     print(f"E2B, dequantize={dequantize}: {fmt_bytes(needed)} ({needed / 2**30:.2f} GiB)")
 
 # %% [markdown]
@@ -310,7 +313,7 @@ for dequantize in (True, False):
 # %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution 2 (open it after you predicted)
 # The load itself holds weights only: a smaller ring cache or int8 K/V save nothing here.
-needed = helpers.e2b.estimate_device_bytes(e2b, dequantize=False)
-for option in helpers.e2b.fit_options(e2b):
+needed = helpers.course.e2b.estimate_device_bytes(e2b, dequantize=False)
+for option in helpers.course.e2b.fit_options(e2b):
     left = needed - option["saves"]
     print(f"{option['option']}: {fmt_bytes(left)} ({'fits' if left <= 8e9 else 'does not fit'} in 8 GB)")

@@ -30,13 +30,13 @@
 #
 # **What the source measured:** about 5 tokens/s on a TPU v5e-1. On the same chip a pure-JAX
 # engine runs the same model at 135.0 tokens/s with bf16 weights (its author's figure:
-# xbill9/colab-jax, article `02-e2b-repack-vs-stock`; all peer figures are in `helpers.sources`).
+# xbill9/colab-jax, article `02-e2b-repack-vs-stock`; all peer figures are in `helpers.course.sources`).
 
 # %% [markdown]
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -48,8 +48,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -89,7 +89,7 @@ helpers.install_missing()
 
 # %%
 backend = helpers.get_backend()
-checkpoint, model, tokenizer, ids = helpers.series.load_for_series(backend)
+checkpoint, model, tokenizer, ids = helpers.course.series.load_for_series(backend)
 print(checkpoint)
 print(backend.describe())
 new_tokens = backend.generation_length  # 32; 8 on xla
@@ -129,7 +129,7 @@ assert "<|turn>user\n" in tokenizer.decode(ids[0]) and "<|think|>" in thinking
 # is [teacher-forced](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#teacher-forced) through the eager model, each token its top choice or within 4 [ulps](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ulp) of it.
 
 # %%
-calls = helpers.generate.first_and_second_call(model, tokenizer, ids, backend, new_tokens)
+calls = helpers.course.measure.first_and_second_call(model, tokenizer, ids, backend, new_tokens)
 for mode, call in calls.items():
     counted = (
         f"; programs compiled per step, first call: {call['programs_first']}"
@@ -138,7 +138,7 @@ for mode, call in calls.items():
     )
     print(f"{mode}: first call {sum(call['first']):.2f} s, second call {sum(call['second']):.2f} s{counted}")
 counts = {f"{m}, first call": c["programs_first"] for m, c in calls.items() if c["programs_first"][0] is not None}
-fig = helpers.charts.step_plot(
+fig = helpers.course.charts.step_plot(
     {f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
     f"HF generate, {checkpoint.name} on {backend.name}: seconds per step (this run)",
     counts or None,
@@ -149,7 +149,7 @@ if "defer_and_fuse" in calls:
     assert sum(calls["defer_and_fuse"]["programs_second"]) == 0, "a second call reuses every program"
     deferred = calls["defer_and_fuse"]["tokens"]  # its first DEFER_AND_FUSE_TOKENS (8): each is a compile
     # two programs round differently: the series' verdict, teacher-forced through the eager model
-    same = helpers.checkpoint.compare_tokens(deferred, tokens[: len(deferred)], model, ids)
+    same = helpers.course.verdict.compare_tokens(deferred, tokens[: len(deferred)], model, ids)
     print("defer-and-fuse against eager:", same)
     assert same
 
@@ -165,7 +165,7 @@ if "defer_and_fuse" in calls:
 # anything was compiled from this run, not from its documentation.
 
 # %%
-widget = helpers.generate.text_widget()
+widget = helpers.course.widgets.text_widget()
 with backend.compile_counter() as compiled:
     streamed, streamer, out = helpers.generate.generate(model, tokenizer, ids, backend, new_tokens, widget=widget)
 print(
@@ -175,7 +175,7 @@ print(
     compiled.graphs,
 )
 print("text:", streamer.text)
-stops = helpers.sampling.stop_ids(model)
+stops = helpers.generate.stop_ids(model)
 ended = bool(streamed) and streamed[-1] in stops
 print(f"{len(streamed)} tokens; stop ids {stops} (the generation config's); ended its turn: {ended}")
 assert streamed == tokens  # equal lists: generate's eager program again, on the same inputs
@@ -197,17 +197,17 @@ assert ended or not checkpoint.tiny or new_tokens < within
 # are the ones above.
 
 # %%
-measured = helpers.generate.measure(model, tokenizer, ids, backend, timed_tokens)
+measured = helpers.course.measure.measure(model, tokenizer, ids, backend, timed_tokens)
 print(
     f"prefill {measured['prefill_s'] * 1e3:.1f} ms, decode {measured['decode_tok_s']:.1f} tok/s over"
     f" {timed_tokens} tokens, spread {measured['tok_s_spread']:.2f}x over {measured['repeats']} runs"
-    f" (the source, TPU v5e-1: ~{helpers.sources.HF_GENERATE_TOK_S} tok/s)"
+    f" (the source, TPU v5e-1: ~{helpers.course.sources.HF_GENERATE_TOK_S} tok/s)"
 )
 assert measured["tokens"][:new_tokens] == tokens  # the same eager program again: equal lists
 results = helpers.Results()
 # this step's row, as the tour writes it: the roofline at the run's mean context
-helpers.steps.record_baseline(results, backend, checkpoint, measured, model, ids.shape[1] + timed_tokens // 2)
-fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.steps.BASELINE)
+helpers.course.steps.record_baseline(results, backend, checkpoint, measured, model, ids.shape[1] + timed_tokens // 2)
+fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", step=helpers.course.steps.BASELINE)
 
 # %% [markdown]
 # ## Why ~5 tokens/s: one launch per op
@@ -219,13 +219,13 @@ fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s", st
 # one after another. Notebook 04 makes the step one program.
 
 # %%
-ops_e2b = helpers.generate.ops_per_step(helpers.e2b.meta_model(helpers.e2b.real_config()))
-ops_here = helpers.generate.ops_per_step(model)
-step_s = 1 / helpers.sources.HF_GENERATE_TOK_S
-read_s = helpers.e2b.step_figures()[0]["bytes_per_token"] / helpers.backend.V5E_BYTES_PER_S
+ops_e2b = helpers.course.measure.ops_per_step(helpers.course.e2b.meta_model(helpers.course.e2b.real_config()))
+ops_here = helpers.course.measure.ops_per_step(model)
+step_s = 1 / helpers.course.sources.HF_GENERATE_TOK_S
+read_s = helpers.course.e2b.step_figures()[0]["bytes_per_token"] / helpers.backend.V5E_BYTES_PER_S
 print(
     f"E2B: {ops_e2b['compute']:,} ops that compute per decode step (+ {ops_e2b['views']:,} views); this model:"
-    f" {ops_here['compute']:,}. At the source's {helpers.sources.HF_GENERATE_TOK_S} tok/s a step takes"
+    f" {ops_here['compute']:,}. At the source's {helpers.course.sources.HF_GENERATE_TOK_S} tok/s a step takes"
     f" {step_s * 1e3:.0f} ms, {step_s / ops_e2b['compute'] * 1e6:.0f} us per op; its bytes at 819 GB/s take"
     f" {read_s * 1e3:.1f} ms: {100 * read_s / step_s:.1f}% of the step"
 )
@@ -263,13 +263,13 @@ print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): 
 # On Colab each notebook gets a fresh runtime and a fresh `/content`, so a run folder there
 # lasts one notebook. Mount Google Drive first (`from google.colab import drive;
 # drive.mount("/content/drive")`, before the set-up cell) and the run folder is
-# `MyDrive/gemma4-on-tpu/runs` (`helpers.results.DRIVE_RUNS`): these tokens and the results
+# `MyDrive/gemma4-on-tpu/runs` (`helpers.course.results.DRIVE_RUNS`): these tokens and the results
 # table then carry to notebooks 04-07 and their closing charts show every step. Without it,
 # each later notebook makes the reference tokens again (it says so) and charts its own rows.
 
 # %%
-key = helpers.series.save_reference(checkpoint, backend, ids, new_tokens, tokens)
-assert helpers.series.load_reference(checkpoint, backend, ids, new_tokens) == tokens
+key = helpers.course.series.save_reference(checkpoint, backend, ids, new_tokens, tokens)
+assert helpers.course.series.load_reference(checkpoint, backend, ids, new_tokens) == tokens
 print("saved:", key, "| run folder:", helpers.run_dir().resolve())
 print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "source_tok_s"]))
 
@@ -285,7 +285,7 @@ print(results.table(["step", "label", "backend", "decode_tok_s", "prefill_s", "s
 # @title Solution 1 (open it after you predicted)
 # About the same: the eager step runs the same ops at every length here (the cache grows, the
 # launches do not), so the rate does not depend on how long you time it.
-twice = helpers.generate.measure(model, tokenizer, ids, backend, 2 * timed_tokens, repeats=1, warmup=0)
+twice = helpers.course.measure.measure(model, tokenizer, ids, backend, 2 * timed_tokens, repeats=1, warmup=0)
 print(f"{2 * timed_tokens} tokens: {twice['decode_tok_s']:.1f} tok/s; {timed_tokens}: {measured['decode_tok_s']:.1f}")
 
 # %% [markdown]
@@ -294,7 +294,7 @@ print(f"{2 * timed_tokens} tokens: {twice['decode_tok_s']:.1f} tok/s; {timed_tok
 # %% cellView="form" jupyter={"source_hidden": true} tags=["solution"]
 # @title Solution 2 (open it after you predicted)
 # No: the context changes the sizes of the attention's tensors, not the number of ops.
-print({context: helpers.generate.ops_per_step(model, context)["compute"] for context in (26, 260)})
+print({context: helpers.course.measure.ops_per_step(model, context)["compute"] for context in (26, 260)})
 
 # %% [markdown]
 # **3.** If an eager step had half of E2B's ops, what tok/s would the source's v5e-1 give?
@@ -305,4 +305,6 @@ print({context: helpers.generate.ops_per_step(model, context)["compute"] for con
 # whatever the count: half the launches plus the same reads.
 per_op = step_s / ops_e2b["compute"]
 half = ops_e2b["compute"] / 2 * per_op + read_s
-print(f"{1 / half:.1f} tok/s, against the source's {helpers.sources.HF_GENERATE_TOK_S} (a prediction, not measured)")
+print(
+    f"{1 / half:.1f} tok/s, against the source's {helpers.course.sources.HF_GENERATE_TOK_S} (a prediction, not measured)"
+)

@@ -34,7 +34,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -46,8 +46,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -76,7 +76,7 @@ helpers.install_missing()
 
 # %%
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=3)  # the model as notebook 03 loaded it
+series = helpers.course.series.prepare(backend, after=3)  # the model as notebook 03 loaded it
 checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
 new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
 timed_tokens = series.timed_tokens  # tokens per timed run: 128, enough for a steady rate (8 on xla)
@@ -97,7 +97,7 @@ import torch
 
 with torch.no_grad():
     model(ids)  # the first forward: compressed-tensors decompresses here, as in notebook 02
-print(helpers.tables.table(helpers.checkpoint.compression_report(model)))
+print(helpers.course.tables.table(helpers.checkpoint.compression_report(model)))
 try:
     helpers.decode.Decoder(model, backend, MAX_LEN).generate(ids, 2)
     print("compiled as is: nothing in the way on this backend (loaded with dequantize=True)")
@@ -148,23 +148,133 @@ with torch.no_grad():
         token, position = greedy_step(model, cache, token, position)
         eager.append(token.item())
 # the series' verdict over notebook 03's first 8 tokens, teacher-forced through the reference model
-verdict = helpers.checkpoint.compare_tokens(eager, reference[:8], series.reference_model(), ids)
+verdict = helpers.course.verdict.compare_tokens(eager, reference[:8], series.reference_model(), ids)
 print(f"{len(eager)} tokens, eager: {tokenizer.decode(eager)!r}; {verdict}")
 assert verdict
 del cache
 
 # %% [markdown]
-# `Decoder.step` is this step with a sampler (the argmax here; notebook 08 gives it a
-# temperature) and the cache's buffers marked as written in place. It is compiled, once, as
-# `Decoder.decode_step`: the last token and its position in, the next token and position out,
-# the cache written in place, every tensor on the device (the sampler's seed is an input, so it
-# is there from the start). `Decoder.generate` is the loop that runs it: it feeds each token
-# straight back through `call` (one compiled call; notebook 07 makes it K tokens), reads the
-# tokens to the host once per chunk, and stops there after a stop id (`Stops`; notebook 08 adds
-# stop strings).
+# The decoder around that step, written here (kept, the same, in `helpers.decode`; a test checks
+# the two are the same). `step` is `greedy_step` with the token chosen by `pick` (the argmax here;
+# notebook 08 samples) and the cache's buffers marked as written in place (`Backend.donate`,
+# below). It is compiled once, as `decode_step`; the prompt goes through `prefill`, padded to a
+# bucket so that prompts of similar length share one compiled prefill. `generate` is the loop:
+# each token fed straight back through `call` (one compiled call; notebook 07 makes it K tokens),
+# read to the host once per chunk, and cut there after a stop id (`Stops`, notebook 03's rule;
+# notebook 08 adds stop strings).
 
 # %%
-helpers.show(helpers.decode.Decoder.step, helpers.decode.Decoder.generate)
+# @save helpers.decode
+from helpers.backend import Backend
+from helpers.decode import PREFILL_BUCKETS, cache_length, kv_buffers, set_length, static_cache
+from helpers.generate import Stops
+
+
+class Decoder:
+    """The model on a static cache: a compiled prefill per bucket and one compiled decode step.
+
+    ``model``: a Gemma 4 text model stripped of compressed-tensors' wrappers, on ``backend``'s
+    device; ``max_len``: the positions the cache holds; ``compile_options`` go to ``torch.compile``.
+    ``decode_step(token, position)`` takes and returns int64 device tensors [1, 1]: the next
+    token and ``position + 1``, chosen on the device by ``pick`` (greedy; notebook 08 samples)."""
+
+    def __init__(self, model, backend: Backend, max_len: int, **compile_options):
+        self.model, self.backend, self.max_len = model, backend, max_len
+        self.cache = self.new_cache(model, max_len)
+        self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
+        self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
+
+    def new_cache(self, model, max_len: int) -> Cache:
+        return static_cache(model, max_len)
+
+    def pick(self, logits, positions):
+        """The next token [N, 1] from logits [N, vocab], to go at ``positions`` [N]: the argmax."""
+        return logits.argmax(-1, keepdim=True)
+
+    def step(self, token, position):
+        self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
+        logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
+        return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
+
+    def _prefill(self, tokens, last):
+        self.backend.donate(*kv_buffers(self.cache))
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        # the head on the last real position only: at E2B's 262,144 tokens a 4096-token bucket's
+        # logits would be 2.1 GB of bf16
+        logits = self.model(
+            input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
+        ).logits
+        return self.pick(logits[0], last + 1)  # the token after the last real one
+
+    def bucket(self, length: int) -> int:
+        """The padded prefill length: the smallest bucket that holds the prompt."""
+        size = cache_length(length)
+        if size in PREFILL_BUCKETS and size <= self.max_len:
+            return size
+        raise ValueError(f"a {length}-token prompt needs more than the cache's {self.max_len} positions")
+
+    @torch.no_grad()
+    def prefill(self, ids: torch.Tensor, start: int = 0):
+        """The prompt, right-padded to its bucket (causal attention keeps the padding out of every
+        real position; the cache is rewound over it); returns the first new token and its position."""
+        if start:
+            raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
+        length = ids.shape[1]
+        padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype, device=ids.device)
+        padded[:, :length] = ids
+        set_length(self.cache, 0)
+        token = self.prefill_step(padded, torch.tensor([length - 1], device=ids.device))
+        set_length(self.cache, length)
+        return token, torch.tensor([[length]], device=ids.device)
+
+    @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
+    def call(self, token, position):
+        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the
+        last token and its position, all on the device."""
+        token, position = self.decode_step(token, position)
+        return token, token, position
+
+    def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
+        """Refuse, with the numbers, a run the cache cannot hold."""
+        if start + length + new_tokens + extra > self.max_len:
+            held = f"{start} positions held + " if start else ""
+            more = f" (+ {extra}: the last call's)" if extra else ""
+            raise ValueError(
+                f"{held}prompt {length} + {new_tokens} new tokens{more} exceed the cache's {self.max_len} positions"
+            )
+
+    def stops(self, history: list[int], stop_ids) -> Stops:
+        """Where a run stops: after the first of ``stop_ids`` (None: the model's)."""
+        return Stops(self.model, history, stop_ids)
+
+    @torch.no_grad()
+    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
+        """At most ``new_tokens`` tokens after ``ids`` [1, L] (``start``: after that many positions
+        already in the cache), each fed straight back on the device and read to the host every
+        ``readback_every`` tokens, where ``stops`` cuts them (``stop_ids=()``: exactly
+        ``new_tokens``). A transformers ``streamer`` gets the prompt, then each chunk."""
+        self.check_room(ids.shape[1], new_tokens, start)
+        stops = self.stops(ids[0].tolist(), stop_ids)
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        token, position = self.prefill(ids, start)
+        tokens, pending, made = [], [token], 1
+        while True:
+            last = made >= new_tokens
+            if last or made - len(tokens) >= readback_every:  # one host round trip per chunk
+                self.backend.flush()
+                chunk, stopped = stops.cut(torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)])
+                tokens, pending = tokens + chunk, []
+                if streamer is not None:
+                    streamer.put(torch.tensor(chunk))
+                if last or stopped:
+                    if streamer is not None:
+                        streamer.end()
+                    return tokens
+            block, token, position = self.call(token, position)
+            pending.append(block)
+            made += block.shape[1]
+
 
 # %% [markdown]
 # ## One step, compiled once
@@ -183,7 +293,7 @@ helpers.show(helpers.decode.Decoder.step, helpers.decode.Decoder.generate)
 
 # %%
 torch._dynamo.reset()
-decoder = helpers.decode.Decoder(model, backend, MAX_LEN)
+decoder = Decoder(model, backend, MAX_LEN)
 with backend.compile_counter() as first:
     tokens = decoder.generate(ids, new_tokens)
 print("graphs compiled by the first run (prefill + decode step):", first.graphs)
@@ -210,7 +320,7 @@ assert later.graphs == 0 and decoder.bucket(other.shape[1]) == decoder.bucket(id
 # cost):
 
 # %%
-counts, stopped = helpers.decode.hf_static_cache_compiles(model, ids, backend, steps=4)
+counts, stopped = helpers.course.measure.hf_static_cache_compiles(model, ids, backend, steps=4)
 print("graphs compiled per step with StaticCache:", counts, "| stopped:", stopped or "no")
 print("graphs compiled per step with ours, after the first:", 0)
 assert sum(counts) > 1
@@ -224,7 +334,7 @@ assert sum(counts) > 1
 # reads. Inductor (CPU, GPU) writes in place by itself. PyTorch/XLA aliases a compiled graph's
 # input only when the graph marks it a buffer donor, which `Decoder.step` and the prefill do
 # through `Backend.donate`. On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, XLA dumps
-# what it compiles (its [HLO](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#hlo)) and the cell reads it (`helpers.programs`): per program, the cache buffers,
+# what it compiles (its [HLO](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#hlo)) and the cell reads it (`helpers.course.programs`): per program, the cache buffers,
 # how many are aliased, the bytes copied per call. On a TPU, TorchTPU 0.2.0's compile offers
 # no donation mark (its sources: a mutated input is [functionalized](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#functionalized), the program returns a new
 # buffer, and the tensor is pointed at it after the call). So the hypothesis, which no machine
@@ -239,13 +349,13 @@ helpers.show(helpers.backend.Backend.donate)
 audit_folder = backend.xla_dump_folder
 if audit_folder:
     torch._dynamo.reset()
-    with helpers.programs.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
-        audited = helpers.decode.Decoder(model, backend, 2 * MAX_LEN)
+    with helpers.course.programs.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
+        audited = Decoder(model, backend, 2 * MAX_LEN)
         audited.generate(ids, 4)
-    shapes = {helpers.programs.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
-    audit = [row for row in (helpers.programs.audit(p, shapes) for p in programs) if row["cache_buffers"]]
+    shapes = {helpers.course.programs.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
+    audit = [row for row in (helpers.course.programs.audit(p, shapes) for p in programs) if row["cache_buffers"]]
     print(
-        helpers.tables.table(
+        helpers.course.tables.table(
             audit, ["program", "cache_buffers", "cache_aliased", "cache_bytes_copied", "s64_ops", "total_bytes"]
         )
     )
@@ -284,7 +394,7 @@ else:
 # this course (a path no machine building it has run).
 
 # %%
-print(helpers.decode.profile_steps(decoder, ids))
+print(helpers.course.measure.profile_steps(decoder, ids))
 
 # %% [markdown]
 # ## Speed, side by side in this run
@@ -292,16 +402,16 @@ print(helpers.decode.profile_steps(decoder, ids))
 # back to the host as it is made, and our loop reading back every 16 tokens. The source
 # found per-token readback ate much of the later gains. Beside tok/s: the bytes a step reads
 # (`roofline.step_bytes`: every weight once, one row of the per-layer table, the KV cache)
-# times tok/s, against the bandwidth this device reads at (`roofline.read_bandwidth`: a read
+# times tok/s, against the bandwidth this device reads at (`measure.read_bandwidth`: a read
 # probe measured here; on a TPU, Google's published 819 GB/s). The row recorded below uses the
 # same two functions, so it shows these numbers.
 
 # %%
-hf = helpers.generate.measure(model, tokenizer, ids, backend, timed_tokens)
-runs = {rb: helpers.decode.timed_generate(decoder, ids, timed_tokens, rb) for rb in (1, 16)}  # 3 runs each
+hf = helpers.course.measure.measure(model, tokenizer, ids, backend, timed_tokens)
+runs = {rb: helpers.course.measure.timed_generate(decoder, ids, timed_tokens, rb) for rb in (1, 16)}  # 3 runs each
 ours = {rb: run["decode_tok_s"] for rb, run in runs.items()}
 step_bytes = helpers.roofline.step_bytes(model, decoder.cache)
-bandwidth, how = helpers.roofline.read_bandwidth(backend)
+bandwidth, how = helpers.course.measure.read_bandwidth(backend)
 rows = [
     {"loop": "HF generate", "decode_tok_s": hf["decode_tok_s"]},
     {"loop": "compiled step, read back every token", "decode_tok_s": ours[1]},
@@ -310,18 +420,18 @@ rows = [
 for row in rows:
     row["speedup_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
     row |= helpers.roofline.columns(step_bytes, row["decode_tok_s"], bandwidth)
-print(helpers.tables.table(rows))
+print(helpers.course.tables.table(rows))
 print(
-    f"bytes read per step: {helpers.tables.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})"
+    f"bytes read per step: {helpers.course.tables.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})"
 )
 assert all(series.same_tokens(run["tokens"]) for run in runs.values())
 
 # %%
 results = helpers.Results()
 rates = runs[16]["rates"]  # the runs above, read back every 16 tokens
-step = helpers.steps.COMPILED
-helpers.steps.record_compiled(
-    results, step, "compiled step", decoder, series, tokens, first, helpers.sources.COMPILED_STEP_TOK_S, rates
+step = helpers.course.steps.COMPILED
+helpers.course.steps.record_compiled(
+    results, step, "compiled step", decoder, series, tokens, first, helpers.course.sources.COMPILED_STEP_TOK_S, rates
 )
 fig = results.chart("decode_tok_s", "decode tokens/s", source="source_tok_s")
 cols = ["step", "label", "backend", "decode_tok_s", "tok_s_spread", "source_tok_s", "compiles", "first_call_s"]
@@ -346,7 +456,7 @@ print(results.table([*cols, "payback_tokens", "peak_bytes"]))  # tokens until th
 # Once one host round trip per chunk is small beside the chunk's steps. On a CPU a round trip is
 # microseconds, so the rate barely moves; on a TPU it is the device draining its queue.
 for every in (1, 4, 16, 64):
-    rate = helpers.decode.timed_generate(decoder, ids, timed_tokens, every, repeats=1)["decode_tok_s"]
+    rate = helpers.course.measure.timed_generate(decoder, ids, timed_tokens, every, repeats=1)["decode_tok_s"]
     print(f"read back every {every:>2} tokens: {rate:.1f} tok/s")
 
 # %% [markdown]
@@ -368,11 +478,11 @@ print(f"ceiling {ceiling:.0f} tok/s; measured {ours[16]:.1f}: {100 * ours[16] / 
 # @title Solution 3 (open it after you predicted)
 # A static shape reads its whole buffer at every step, filled or not: the cache's bytes grow four
 # times, the weights' not at all. On the twin the cache is a large share of a step; at E2B a little
-# one at 256 positions. (To measure it, build `helpers.decode.Decoder(model, backend, 4 * MAX_LEN)`
+# one at 256 positions. (To measure it, build `Decoder(model, backend, 4 * MAX_LEN)`
 # and time it as above: a new shape, so a new compile.)
 longer = helpers.decode.static_cache(model, 4 * MAX_LEN)  # allocated, not compiled
 more = helpers.roofline.step_bytes(model, longer) - step_bytes
 print(
-    f"{helpers.tables.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
+    f"{helpers.course.tables.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
     f" {bandwidth / (step_bytes + more):.0f} tok/s on this device"
 )

@@ -34,7 +34,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -46,8 +46,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -78,14 +78,14 @@ helpers.install_missing()
 import torch
 
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=4)  # notebook 04's model: decompressed, wrappers stripped
+series = helpers.course.series.prepare(backend, after=4)  # notebook 04's model: decompressed, wrappers stripped
 checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
 new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
 timed_tokens = series.timed_tokens  # tokens per timed run: 128, enough for a steady rate (8 on xla)
 
 decoder = helpers.decode.Decoder(model, backend, max_len=256)
 assert series.same_tokens(decoder.generate(ids, new_tokens))
-rate_bf16_table = helpers.decode.timed_generate(decoder, ids, timed_tokens, 16)[
+rate_bf16_table = helpers.course.measure.timed_generate(decoder, ids, timed_tokens, 16)[
     "decode_tok_s"
 ]  # notebook 04's step, timed in this run for a side-by-side ratio
 
@@ -108,9 +108,12 @@ rate_bf16_table = helpers.decode.timed_generate(decoder, ids, timed_tokens, 16)[
 # padding.
 
 # %%
-from helpers.tables import fmt_bytes, table
+from helpers.course.tables import fmt_bytes, table
 
-e2b = {r["component"]: r for r in helpers.e2b.component_bytes(helpers.e2b.meta_model(helpers.e2b.real_config()))}
+e2b = {
+    r["component"]: r
+    for r in helpers.course.e2b.component_bytes(helpers.course.e2b.meta_model(helpers.course.e2b.real_config()))
+}
 ple = e2b["embed_tokens_per_layer"]
 saved = ple["bf16_bytes"] - ple["int4_bytes"]
 saved_exact = ple["bf16_bytes"] - ple["int4_exact_bytes"]
@@ -135,7 +138,7 @@ assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720 and row_wor
 # notebook saves is device memory, not bytes per step.
 
 # %%
-figures = {r["step"]: r for r in helpers.e2b.step_figures()}
+figures = {r["step"]: r for r in helpers.course.e2b.step_figures()}
 before, after = figures["04 compiled decode"], figures["05 4-bit table"]
 cols = ple["shape"][1]
 row_bf16, row_int4 = cols * 2, row_words * 4
@@ -161,11 +164,11 @@ assert before["weights_on_device"] - after["weights_on_device"] == saved_exact
 # gather's does not).
 
 # %%
-gap_s = 1 / helpers.sources.COMPILED_STEP_TOK_S - 1 / helpers.sources.TABLE_4BIT_TOK_S
+gap_s = 1 / helpers.course.sources.COMPILED_STEP_TOK_S - 1 / helpers.course.sources.TABLE_4BIT_TOK_S
 copy_s = 2 * ple["bf16_bytes"] / helpers.backend.V5E_BYTES_PER_S
 print(
-    f"the source's steps: {1e3 / helpers.sources.COMPILED_STEP_TOK_S:.1f} and"
-    f" {1e3 / helpers.sources.TABLE_4BIT_TOK_S:.1f} ms, {1e3 * gap_s:.1f} ms apart; a read and a write of the"
+    f"the source's steps: {1e3 / helpers.course.sources.COMPILED_STEP_TOK_S:.1f} and"
+    f" {1e3 / helpers.course.sources.TABLE_4BIT_TOK_S:.1f} ms, {1e3 * gap_s:.1f} ms apart; a read and a write of the"
     f" {fmt_bytes(ple['bf16_bytes'])} bf16 table at 819 GB/s: {1e3 * copy_s:.1f} ms"
 )
 
@@ -268,7 +271,9 @@ if before is not None:
 print(table(helpers.checkpoint.memory_report(model)))
 
 # %%
-fig = helpers.charts.stacked_bars(helpers.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)")
+fig = helpers.course.charts.stacked_bars(
+    helpers.course.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)"
+)
 
 # %% [markdown]
 # ## Same tokens, still one compile
@@ -290,15 +295,15 @@ assert again.graphs == 0
 # %%
 series.table = report  # the model is notebook 05's now
 results = helpers.Results()
-row = helpers.steps.record_compiled(
+row = helpers.course.steps.record_compiled(
     results,
-    helpers.steps.TABLE,
+    helpers.course.steps.TABLE,
     "4-bit table",
     decoder,
     series,
     tokens,
     compiled,
-    helpers.sources.TABLE_4BIT_TOK_S,
+    helpers.course.sources.TABLE_4BIT_TOK_S,
 )
 rate = row["decode_tok_s"]
 print(
@@ -324,7 +329,7 @@ torch._dynamo.reset()
 decoder = helpers.decode.Decoder(model, backend, max_len=256)
 with backend.compile_counter() as compiled_main:
     tokens_main = decoder.generate(ids, new_tokens)
-rate_main = helpers.decode.timed_generate(decoder, ids, timed_tokens, 16)["decode_tok_s"]
+rate_main = helpers.course.measure.timed_generate(decoder, ids, timed_tokens, 16)["decode_tok_s"]
 print(
     f"main table in 4-bit too: same tokens {bool(series.same_tokens(tokens_main))}, {compiled_main.graphs} graphs,"
     f" {rate_main:.1f} tok/s vs {rate:.1f} (this run): {rate_main / rate:.2f}x ->",

@@ -41,7 +41,7 @@
 # Notebook 05's model: wrappers stripped, per-layer table in 4-bit.
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -53,8 +53,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -84,10 +84,10 @@ helpers.install_missing()
 # %%
 import torch
 
-from helpers.tables import fmt_bytes, table
+from helpers.course.tables import fmt_bytes, table
 
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
+series = helpers.course.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
 checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
 new_tokens, reference = series.new_tokens, series.reference  # notebook 03's length and tokens
 timed_tokens = series.timed_tokens  # tokens per timed run: 128, enough for a steady rate (8 on xla)
@@ -100,17 +100,17 @@ print("sliding window:", config.sliding_window, "| layer kinds:", [t.split("_")[
 # (the last 20 share K/V and hold none), full-length against a ring for the sliding layers.
 
 # %%
-e2b = helpers.e2b.real_config().get_text_config()
-E2B_CONTEXT = helpers.e2b.CONTEXT  # the source's headline context
-full_e2b = helpers.e2b.kv_cache_bytes(e2b, E2B_CONTEXT)
-ring_e2b = helpers.e2b.kv_cache_bytes(e2b, E2B_CONTEXT, ring=True)
+e2b = helpers.course.e2b.real_config().get_text_config()
+E2B_CONTEXT = helpers.course.e2b.CONTEXT  # the source's headline context
+full_e2b = helpers.course.e2b.kv_cache_bytes(e2b, E2B_CONTEXT)
+ring_e2b = helpers.course.e2b.kv_cache_bytes(e2b, E2B_CONTEXT, ring=True)
 print(
     f"E2B, {E2B_CONTEXT:,} positions: full-length caches {full_e2b:,} B ({fmt_bytes(full_e2b)}),"
     f" ring {ring_e2b:,} B ({fmt_bytes(ring_e2b)})"
 )
 assert ring_e2b == 813_170_688 and full_e2b == 2_420_637_696
-weights_e2b = {k: v for k, v in helpers.e2b.bytes_by_step()["05 4-bit table"].items() if k != "KV cache"}
-fig = helpers.charts.stacked_bars(
+weights_e2b = {k: v for k, v in helpers.course.e2b.bytes_by_step()["05 4-bit table"].items() if k != "KV cache"}
+fig = helpers.course.charts.stacked_bars(
     {"full-length caches": weights_e2b | {"KV cache": full_e2b}, "ring cache": weights_e2b | {"KV cache": ring_e2b}},
     f"E2B device bytes at {E2B_CONTEXT:,} positions (computed, meta device)",
 )
@@ -131,10 +131,10 @@ fig = helpers.charts.stacked_bars(
 # question about TorchTPU), a write and a read of the 0.81 GB more.
 
 # %%
-figures = helpers.e2b.step_figures()
+figures = helpers.course.e2b.step_figures()
 short, ring_step = figures[2], next(r for r in figures if r["step"].startswith("06"))
 extra = ring_step["bytes_per_token"] - short["bytes_per_token"]
-base_s, bandwidth_v5e = 1 / helpers.sources.TABLE_4BIT_TOK_S, helpers.backend.V5E_BYTES_PER_S
+base_s, bandwidth_v5e = 1 / helpers.course.sources.TABLE_4BIT_TOK_S, helpers.backend.V5E_BYTES_PER_S
 predicted = 1 / (base_s + extra / bandwidth_v5e)
 copied = 1 / (base_s + (extra + 2 * ring_step["cache_held"]) / bandwidth_v5e)
 print(
@@ -143,9 +143,9 @@ print(
     f" {fmt_bytes(ring_step['bytes_per_token'])} here"
 )
 print(
-    f"predicted from the source's {helpers.sources.TABLE_4BIT_TOK_S} tok/s: {predicted:.1f} tok/s, {copied:.1f} if the"
-    f" cache is also copied each step; the source measured {helpers.sources.RING_TOK_S_RANGE[0]}-"
-    f"{helpers.sources.RING_TOK_S_RANGE[1]} tok/s"
+    f"predicted from the source's {helpers.course.sources.TABLE_4BIT_TOK_S} tok/s: {predicted:.1f} tok/s, {copied:.1f} if the"
+    f" cache is also copied each step; the source measured {helpers.course.sources.RING_TOK_S_RANGE[0]}-"
+    f"{helpers.course.sources.RING_TOK_S_RANGE[1]} tok/s"
 )
 assert ring_step["cache_held"] == ring_e2b and ring_step["cache_read"] > 2 * ring_e2b  # read more than held
 
@@ -317,9 +317,9 @@ layers = [
 print(table(layers))
 dtype_bytes = decoder.cache.layers[0].keys.element_size()
 ring_bytes = helpers.decode.cache_bytes(decoder.cache)
-full_bytes = helpers.e2b.kv_cache_bytes(config, MAX_LEN, dtype_bytes=dtype_bytes)
+full_bytes = helpers.course.e2b.kv_cache_bytes(config, MAX_LEN, dtype_bytes=dtype_bytes)
 print(f"ring cache: {fmt_bytes(ring_bytes)}; full-length caches would hold {fmt_bytes(full_bytes)}")
-assert ring_bytes == helpers.e2b.kv_cache_bytes(config, MAX_LEN, ring=True, dtype_bytes=dtype_bytes)
+assert ring_bytes == helpers.course.e2b.kv_cache_bytes(config, MAX_LEN, ring=True, dtype_bytes=dtype_bytes)
 
 # %% [markdown]
 # ## Same tokens, one decode program, one prefill program
@@ -349,12 +349,12 @@ windows, checked = (20, new_tokens) if checkpoint.tiny else (3, 2)
 long_ids = ids.repeat(1, 1 + windows * W // ids.shape[1])[:, : windows * W + 5]
 with backend.compile_counter() as again, helpers.decode.no_recompiles():
     long_tokens = decoder.generate(long_ids, checked, stop_ids=())
-reference_model = helpers.checkpoint.reference_model(checkpoint, helpers.checkpoint.series_dtype(checkpoint))
+reference_model = helpers.course.verdict.reference_model(checkpoint, helpers.checkpoint.series_dtype(checkpoint))
 seq = long_ids.cpu()
 with torch.no_grad():
     for _ in range(checked):
         seq = torch.cat([seq, reference_model(seq, use_cache=False, logits_to_keep=1).logits[:, -1:].argmax(-1)], dim=1)
-same_long = helpers.checkpoint.compare_tokens(
+same_long = helpers.course.verdict.compare_tokens(
     long_tokens, seq[0, long_ids.shape[1] :].tolist(), reference_model, long_ids
 )
 helpers.checkpoint.unload(reference_model, helpers.get_backend("cpu"))
@@ -380,7 +380,7 @@ CONTEXT = E2B_CONTEXT if not checkpoint.tiny else E2B_CONTEXT // 64
 big = helpers.ring.RingDecoder(model, backend, max_len=CONTEXT)
 big_bytes = helpers.decode.cache_bytes(big.cache)
 print(f"ring cache for {CONTEXT:,} positions: {big_bytes:,} B ({fmt_bytes(big_bytes)})")
-assert big_bytes == helpers.e2b.kv_cache_bytes(config, CONTEXT, ring=True, dtype_bytes=dtype_bytes)
+assert big_bytes == helpers.course.e2b.kv_cache_bytes(config, CONTEXT, ring=True, dtype_bytes=dtype_bytes)
 assert checkpoint.tiny or big_bytes == 813_170_688
 far = CONTEXT * 100_005 // E2B_CONTEXT  # 100,005 on E2B
 far_ids = ids.repeat(1, 1 + far // ids.shape[1])[:, :far]
@@ -388,7 +388,7 @@ with backend.compile_counter() as big_compiled:
     big.generate(ids, 2)  # a new max_len is a new program: compiled here, not inside the timing
 repeats = 3 if checkpoint.tiny else 1  # each run prefills the whole prompt again: on E2B, 196 chunks
 with backend.compile_counter() as big_timed, helpers.decode.no_recompiles():
-    run = helpers.decode.timed_generate(big, far_ids, timed_tokens, readback_every=16, repeats=repeats)
+    run = helpers.course.measure.timed_generate(big, far_ids, timed_tokens, readback_every=16, repeats=repeats)
 print(
     f"compiled first ({big_compiled.graphs} graphs); prompt of {far:,} tokens in {-(-far // big.chunk_size)} chunks:"
     f" prefill {run['prefill_s']:.1f} s, decode at context {far:,}: {run['decode_tok_s']:.1f} tok/s"
@@ -421,7 +421,7 @@ read_before = helpers.decode.cache_read_bytes(model, bucketed.cache)
 with backend.compile_counter() as grew:
     grown = bucketed.generate(prompt, 12, stop_ids=())
 one_length = big.generate(prompt, 12, stop_ids=())
-verdict = helpers.checkpoint.compare_tokens(grown, one_length, model, prompt)
+verdict = helpers.course.verdict.compare_tokens(grown, one_length, model, prompt)
 print(
     f"{prompt.shape[1]}-token prompt, 12 tokens: buckets {bucketed.buckets}, now in {bucketed.cache.max_len};"
     f" {grew.graphs} graphs; against the one-length decoder: {verdict}"
@@ -455,13 +455,13 @@ assert verdict and grew.graphs == 3 and bucketed.cache.max_len == BUCKETS[1]
 
 # %%
 for chunk in (1, e2b.sliding_window // 4, e2b.sliding_window):
-    sizes = helpers.e2b.full_attention_bytes(e2b, E2B_CONTEXT, chunk)
+    sizes = helpers.course.e2b.full_attention_bytes(e2b, E2B_CONTEXT, chunk)
     print(
         f"E2B full layer at {E2B_CONTEXT:,} positions, {chunk} quer{'y' if chunk == 1 else 'ies'}: scores"
         f" {fmt_bytes(sizes['scores'])} (float32); K repeated for {e2b.num_attention_heads} heads, which"
         f" grouped attention does not make, {fmt_bytes(sizes['k_repeated'])} (bf16)"
     )
-assert helpers.e2b.full_attention_bytes(e2b, E2B_CONTEXT)["k_repeated"] > ring_e2b  # outweighs the whole ring
+assert helpers.course.e2b.full_attention_bytes(e2b, E2B_CONTEXT)["k_repeated"] > ring_e2b  # outweighs the whole ring
 
 # %% [markdown]
 # Nothing wraps silently: a prompt plus new tokens beyond the full layers' buffer is refused
@@ -485,9 +485,11 @@ except ValueError as err:
 
 # %%
 contexts = (48, 192, 1_600) if checkpoint.tiny else (1_536, 6_144, 102_400)
-sweep = helpers.ring.context_sweep(big, contexts, steps=8, hf_default=not backend.defers_ops, bucketed=bucketed)
+sweep = helpers.course.measure.context_sweep(
+    big, contexts, steps=8, hf_default=not backend.defers_ops, bucketed=bucketed
+)
 print(table(sweep))
-fig = helpers.charts.plot_sweep(sweep, f"{checkpoint.name} on {backend.name}: measured in this run")
+fig = helpers.course.charts.plot_sweep(sweep, f"{checkpoint.name} on {backend.name}: measured in this run")
 assert [r["buckets bytes read"] for r in sweep] == sorted(r["buckets bytes read"] for r in sweep)  # bucket by bucket
 assert all(r["ring bytes read"] == sweep[0]["ring bytes read"] for r in sweep)  # one length: the same every step
 
@@ -498,22 +500,22 @@ assert all(r["ring bytes read"] == sweep[0]["ring bytes read"] for r in sweep)  
 
 # %%
 results = helpers.Results()
-helpers.steps.record_compiled(
+helpers.course.steps.record_compiled(
     results,
-    helpers.steps.RING,
+    helpers.course.steps.RING,
     f"ring cache, {MAX_LEN:,} positions",  # the step's cost grows with them: one label per set-up
     decoder,
     series,
     tokens,
     compiled,
-    helpers.sources.RING_TOK_S,
+    helpers.course.sources.RING_TOK_S,
 )
 print(
     results.table(
         ["step", "label", "backend", "decode_tok_s", "source_tok_s", "device_bytes", "compiles", "same_tokens"]
     )
 )
-figs = helpers.charts.closing_charts(results)
+figs = helpers.course.charts.closing_charts(results)
 
 # %% [markdown]
 # **What you should see:** the E2B cache at 813,170,688 bytes for 131,328 positions (a third
@@ -539,9 +541,9 @@ figs = helpers.charts.closing_charts(results)
 # @title Solution 1 (open it after you predicted)
 # Time adds: each step reads the full layers' buffers on top of notebook 05's step, at 819 GB/s;
 # the rate does not scale by the bytes' ratio, since the source's step ran well below the ceiling.
-base_s = 1 / helpers.sources.TABLE_4BIT_TOK_S
-for positions in (16_384, 65_536, helpers.e2b.CONTEXT):
-    at = next(r for r in helpers.e2b.step_figures(ring_context=positions) if r["step"].startswith("06"))
+base_s = 1 / helpers.course.sources.TABLE_4BIT_TOK_S
+for positions in (16_384, 65_536, helpers.course.e2b.CONTEXT):
+    at = next(r for r in helpers.course.e2b.step_figures(ring_context=positions) if r["step"].startswith("06"))
     extra = at["bytes_per_token"] - short["bytes_per_token"]
     print(
         f"{positions:>7,} positions: +{fmt_bytes(extra)} a step -> {1 / (base_s + extra / 819e9):.1f} tok/s (predicted)"
@@ -558,8 +560,8 @@ for positions in (16_384, 65_536, helpers.e2b.CONTEXT):
 quarter = helpers.ring.RingDecoder(model, backend, max_len=MAX_LEN, chunk_size=W // 4)
 with backend.compile_counter() as made:
     quarter.generate(ids, 2)
-timed = helpers.timing.time_fn(quarter.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
-again = helpers.timing.time_fn(decoder.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
+timed = helpers.course.timing.time_fn(quarter.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
+again = helpers.course.timing.time_fn(decoder.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
 print(
     f"{made.graphs} programs; prefill {timed.median:.3f} s in chunks of {W // 4}, {again.median:.3f} s in chunks of {W}"
 )
@@ -573,8 +575,8 @@ print(
 # @title Solution 3 (open it after you predicted)
 # Each bucket serves the contexts above the one below it; a step reads its own bucket's buffer.
 low = 0
-for bucket in (4_096, 16_384, 65_536, helpers.e2b.CONTEXT):
-    at = next(r for r in helpers.e2b.step_figures(ring_context=bucket) if r["step"].startswith("06"))
+for bucket in (4_096, 16_384, 65_536, helpers.course.e2b.CONTEXT):
+    at = next(r for r in helpers.course.e2b.step_figures(ring_context=bucket) if r["step"].startswith("06"))
     extra = at["bytes_per_token"] - short["bytes_per_token"]
     print(f"contexts {low + 1:,}-{bucket:,}: {1 / (base_s + extra / 819e9):.1f} tok/s (predicted)")
     low = bucket

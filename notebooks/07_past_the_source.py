@@ -25,7 +25,7 @@
 # v5e-1, where a pure-JAX engine runs the same model at 135.0 tokens/s with bf16 weights
 # unpacked once at load, 93.7 with the 4-bit weights unpacked every step (xbill9/colab-jax,
 # article 02-e2b-repack-vs-stock), and vLLM at 123.7 tokens/s at context 128 (xbill9/gemma4-dev,
-# serving report): each its author's figure, all in `helpers.sources`. Decoding one token
+# serving report): each its author's figure, all in `helpers.course.sources`. Decoding one token
 # reads every weight it uses and the KV cache once, so its speed is bounded by the chip's
 # bandwidth over the bytes one step reads: the memory roofline. Google publishes 819 GB/s for
 # a v5e chip.
@@ -43,7 +43,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -55,8 +55,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -85,10 +85,10 @@ helpers.install_missing()
 
 # %%
 
-from helpers.tables import fmt_bytes, table
+from helpers.course.tables import fmt_bytes, table
 
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
+series = helpers.course.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
 
 # %% [markdown]
 # ## The roofline at E2B scale, computed on the meta device
@@ -102,7 +102,7 @@ series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-
 # padding they are under it, and with bf16 steps they would be 2.7 GB.
 
 # %%
-figures = helpers.e2b.step_figures()
+figures = helpers.course.e2b.step_figures()
 print(
     table(
         [
@@ -117,7 +117,7 @@ print(
     )
 )
 best = figures[-1]
-e2b_model = helpers.e2b.meta_model(helpers.e2b.real_config())
+e2b_model = helpers.course.e2b.meta_model(helpers.course.e2b.real_config())
 padding = sum(  # the two tables' rows padded to 128 words, beyond their codes and float32 steps
     helpers.packed.table_bytes(*t.shape)
     - helpers.packed.int4_bytes(t.numel(), scale_bytes=helpers.packed.TABLE_SCALE_BYTES)
@@ -125,14 +125,14 @@ padding = sum(  # the two tables' rows padded to 128 words, beyond their codes a
 )
 print(f"best variant: weights {fmt_bytes(best['weights_on_device'])}, of which padding {fmt_bytes(padding)}")
 assert best["weights_on_device"] - padding < 2.8e9 and best["bytes_per_token"] < 1.4e9
-fig = helpers.charts.ceiling_chart(
+fig = helpers.course.charts.ceiling_chart(
     figures,
     measured={  # the source's figures, each from its step's module
-        "03 baseline generate": helpers.sources.HF_GENERATE_TOK_S,
-        "04 compiled decode": helpers.sources.COMPILED_STEP_TOK_S,
-        "05 4-bit table": helpers.sources.TABLE_4BIT_TOK_S,
+        "03 baseline generate": helpers.course.sources.HF_GENERATE_TOK_S,
+        "04 compiled decode": helpers.course.sources.COMPILED_STEP_TOK_S,
+        "05 4-bit table": helpers.course.sources.TABLE_4BIT_TOK_S,
     },
-    peer=("a pure-JAX engine, bf16 weights (xbill9/colab-jax)", helpers.sources.JAX_BF16_TOK_S),
+    peer=("a pure-JAX engine, bf16 weights (xbill9/colab-jax)", helpers.course.sources.JAX_BF16_TOK_S),
 )
 
 # %% [markdown]
@@ -176,12 +176,13 @@ assert intensity < 2 and ridge > 200
 # short weight rows at well under half of this, and the loops below read faster than MKL.
 
 # %%
-bandwidth, how = helpers.roofline.read_bandwidth(backend)
+bandwidth, how = helpers.course.measure.read_bandwidth(backend)
 print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 
 # %% [markdown]
 # ## K tokens per compiled call, matmuls as loops, the linears kept compressed, fewer matmuls
-# The code, on screen: K decode steps unrolled into one program; on a CPU, the compile options
+# The code: K decode steps unrolled into one program (written here, kept the same in
+# `helpers.roofline`); then, on screen, on a CPU, the compile options
 # that make each one-row matmul a multiply-and-sum loop inductor writes itself (its own
 # `decompose_mm_pass`), vectorized, with a compressed weight's dequantization inside the same
 # kernel, where MKL's matrix-vector product reads a short row at well under half the
@@ -196,9 +197,42 @@ print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 # k and v (or gate and up): transformers' attention calls them in turn on the same hidden states.
 
 # %%
+# @save helpers.roofline
+import torch
+
+from helpers.backend import Backend
+from helpers.decode import Decoder
+
+
+class KDecoder(Decoder):
+    """Notebook 04's decoder making ``tokens_per_call`` K tokens per compiled call: K steps
+    unrolled into one program, each token fed to the next on the device. ``call`` returns
+    their tokens [1, K] and the last token and position."""
+
+    def __init__(self, model, backend: Backend, max_len: int, tokens_per_call: int, **compile_options):
+        if tokens_per_call < 1:
+            raise ValueError(f"tokens_per_call={tokens_per_call}: one compiled call makes at least one token")
+        super().__init__(model, backend, max_len, **compile_options)
+        self.tokens_per_call = tokens_per_call
+        self.decode_steps = backend.compile(self.steps, fullgraph=True, **compile_options)
+
+    def steps(self, token, position):
+        tokens = []
+        for _ in range(self.tokens_per_call):
+            token, position = self.step(token, position)
+            tokens.append(token)
+        return torch.cat(tokens, dim=1), token, position
+
+    @torch.no_grad()
+    def call(self, token, position):
+        return self.decode_steps(token, position)
+
+    def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
+        super().check_room(length, new_tokens, start, self.tokens_per_call - 1)  # the last call makes K
+
+
+# %%
 helpers.show(
-    helpers.decode.Decoder.call,
-    helpers.decode.Decoder.steps,
     helpers.backend.Backend.use_matvec_loops,
     helpers.qlinear.QLinear.weight.fget,
     helpers.qlinear.QLinear.forward,
@@ -274,16 +308,16 @@ for form in (False, True):
 
 # %% [markdown]
 # Each variant is a cell of its own: the change to the model, then its row
-# (`helpers.steps.measure_variant`: the model as it is now, compiled anew, timed and checked).
+# (`helpers.course.steps.measure_variant`: the model as it is now, compiled anew, timed and checked).
 # Each change stays for the variants after it. First K tokens per compiled call, on notebook
 # 06's model as it is.
 
 # %%
-ks = helpers.steps.KS[backend.lazy]  # each K is a compile: fewer on XLA's CPU client
+ks = helpers.course.steps.KS[backend.lazy]  # each K is a compile: fewer on XLA's CPU client
 model, checkpoint, token = series.model, series.checkpoint, series.ids[:, :1]
 matmuls = helpers.fused.linear_calls(model, token)  # F.linear calls a token, before any variant
 series.table = None  # notebook 05's report: it no longer describes the model once the variants change it
-rows = [helpers.steps.measure_variant(backend, series, f"4-bit table, K={k}", k) for k in ks]
+rows = [helpers.course.steps.measure_variant(backend, series, f"4-bit table, K={k}", k) for k in ks]
 
 # %% [markdown]
 # On a CPU, the one-row matmuls as loops inductor writes (`use_matvec_loops` above); elsewhere
@@ -293,7 +327,7 @@ rows = [helpers.steps.measure_variant(backend, series, f"4-bit table, K={k}", k)
 loops = backend.use_matvec_loops()  # compile options on a CPU, None elsewhere
 tail = "K=1" if loops is None else "K=1, matvec loops"
 if loops is not None:
-    rows.append(helpers.steps.measure_variant(backend, series, f"4-bit table, {tail}", 1, loops))
+    rows.append(helpers.course.steps.measure_variant(backend, series, f"4-bit table, {tail}", 1, loops))
 
 # %% [markdown]
 # The linears as the checkpoint's int4 codes, one a byte (`QLinear`'s "int4-bytes"): the same
@@ -303,7 +337,7 @@ if loops is not None:
 # %%
 series.drop_reference_model()
 helpers.qlinear.keep_linears_compressed(model, checkpoint, "int4-bytes")
-rows.append(helpers.steps.measure_variant(backend, series, f"int4 codes a byte each, {tail}", 1, loops))
+rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 codes a byte each, {tail}", 1, loops))
 
 # %% [markdown]
 # The linears as packed int4, eight codes a word, in the backend's form (`int4_by_planes`).
@@ -311,7 +345,7 @@ rows.append(helpers.steps.measure_variant(backend, series, f"int4 codes a byte e
 # %%
 series.drop_reference_model()
 helpers.qlinear.keep_linears_compressed(model, checkpoint, "int4", backend.int4_by_planes)
-rows.append(helpers.steps.measure_variant(backend, series, f"int4 linears, {tail}", 1, loops))
+rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 linears, {tail}", 1, loops))
 
 # %% [markdown]
 # The main table and its tied head in 4-bit too.
@@ -319,7 +353,7 @@ rows.append(helpers.steps.measure_variant(backend, series, f"int4 linears, {tail
 # %%
 series.drop_reference_model()
 helpers.qtable.keep_embed_in_4bit(model)
-rows.append(helpers.steps.measure_variant(backend, series, f"int4 linears + 4-bit head, {tail}", 1, loops))
+rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 linears + 4-bit head, {tail}", 1, loops))
 
 # %% [markdown]
 # q/k/v and gate/up fused into one matmul each: fewer matmuls a token.
@@ -328,7 +362,7 @@ rows.append(helpers.steps.measure_variant(backend, series, f"int4 linears + 4-bi
 series.drop_reference_model()
 helpers.fused.fuse_projections(model)
 label = f"int4 linears + 4-bit head + fused q/k/v, gate/up, {tail}"
-rows.append(helpers.steps.measure_variant(backend, series, label, 1, loops))
+rows.append(helpers.course.steps.measure_variant(backend, series, label, 1, loops))
 after = helpers.fused.linear_calls(model, token)
 print(
     f"F.linear calls a token: {matmuls} before the variants, {after} after them (a CPU's int4 product by planes calls none)"
@@ -354,12 +388,12 @@ shown = [
 audited = [c for c in ("s64_ops", "cache_in_place", "largest_intermediate", "program_bytes") if c in rows[0]]
 print(table(rows, shown + audited))  # the audit columns: xla started with HELPERS_XLA_AUDIT=1 (notebook 04)
 assert all(r["same_tokens"] and r["compiles"] == 2 for r in rows), "every variant: notebook 03's tokens, one compile"
-fig = helpers.charts.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
+fig = helpers.course.charts.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
 
 # %% [markdown]
 # > **Aside: what XLA's CPU compiler made of these programs** (PyTorch/XLA readers; a TPU
 # > reader may skip it). On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, each row also
-# > carries what XLA compiled (notebook 04's audit, `helpers.programs`): 64-bit integer ops left
+# > carries what XLA compiled (notebook 04's audit, `helpers.course.programs`): 64-bit integer ops left
 # > (transformers' int64 positions and masks; the 4-bit unpack and the sampling noise are
 # > 32-bit), whether every cache buffer is written in place, the largest intermediate buffer
 # > (for the 4-bit head: is the whole main table dequantized, or fused into the matmul?) and the
@@ -405,11 +439,11 @@ fig = helpers.charts.variant_chart(rows, f"notebook 07, {series.checkpoint.name}
 # tok/s against 144 in bf16; made from the QAT weights, its quality was bf16's within noise on a
 # 3,880-record suite (+0.003, -0.007 to +0.013), and 2.0 points below on GSM8K
 # (xbill9/gemma4-dev, `jev-tpu-v5e1/README.md` and `devto-gemma4-qat-v5e1.md`; all in
-# `helpers.sources`, printed below). Those values are new weights, not the checkpoint's, so the
+# `helpers.course.sources`, printed below). Those values are new weights, not the checkpoint's, so the
 # course's rule (the same tokens) rules it out here; it is the next step a server takes.
 
 # %%
-src = helpers.sources
+src = helpers.course.sources
 print(f"others' figures, vLLM TPU on a v5e-1, E2B, one request (tok/s): {src.VLLM_E2B_TOK_S}")
 print(f"W8A8 over bf16 there: {src.VLLM_E2B_TOK_S['W8A8'] / src.VLLM_E2B_TOK_S['bf16']:.2f}x;", end=" ")
 v5e = helpers.backend
@@ -422,9 +456,9 @@ print(f"W8A8's quality against bf16 (the suite's score, GSM8K's points): {src.W8
 
 # %%
 results = helpers.Results()
-helpers.steps.record_variants(results, backend, rows)
+helpers.course.steps.record_variants(results, backend, rows)
 print(results.table(["step", "label", "backend", "decode_tok_s", "pct_of_bw", "same_tokens", "compiles"]))
-figs = helpers.charts.closing_charts(results)
+figs = helpers.course.charts.closing_charts(results)
 
 # %% [markdown]
 # ## Exercises
@@ -451,7 +485,7 @@ for r in rows:
 # @title Solution 2 (open it after you predicted)
 # A call costs its steps plus one fixed per-call cost (guards, launch): seconds per token are
 # step + call / K, so two rows give both, and K = 8 pays the call once per eight. (To measure it, a
-# Decoder with tokens_per_call=8 on notebook 06's model: one more compile, a minute or more on a CPU.)
+# KDecoder with tokens_per_call=8 on notebook 06's model: one more compile, a minute or more on a CPU.)
 per_token = {r["K"]: 1 / r["decode_tok_s"] for r in rows if r["variant"] == f"4-bit table, K={r['K']}"}
 (a, t_a), (b, t_b) = min(per_token.items()), max(per_token.items())
 per_call = (t_a - t_b) / (1 / a - 1 / b)  # seconds a call costs beyond its steps

@@ -34,7 +34,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -46,8 +46,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "main")  # the branch or tag these not
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -78,10 +78,10 @@ helpers.install_missing()
 import matplotlib.pyplot as plt
 import torch
 
-from helpers.tables import fmt_bytes, table
+from helpers.course.tables import fmt_bytes, table
 
 backend = helpers.get_backend()
-series = helpers.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
+series = helpers.course.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
 checkpoint, model, tokenizer, ids = series.checkpoint, series.model, series.tokenizer, series.ids
 MAX_LEN = 256 if checkpoint.tiny else 8192  # the chat's context: the full layers' buffer
 
@@ -198,9 +198,55 @@ class Sampler:
         return (self.scores(logits) + noise).argmax(-1, keepdim=True)
 
 
+# %% [markdown]
+# The sampler goes into notebook 04's decoder in place of its argmax (`pick`), with the seed as a
+# device tensor (a new seed is a new input, not a recompile) and stop strings beside the stop ids,
+# written here (kept, the same, in `helpers.sampling`): a class that goes first among a decoder's
+# bases, so notebook 04's `Decoder` and notebook 06's `RingDecoder` both sample.
+
+# %%
+# @save helpers.sampling
+from helpers.decode import Decoder
+from helpers.generate import Stops, stop_strings_criteria
+from helpers.ring import RingDecoder
+
+
+class Sampled:
+    """What notebook 08 adds to a decoder (first among a decoder class's bases): its compiled step
+    samples with ``Sampler(sampling)``, its noise keyed on ``generate``'s ``seed`` (a device
+    tensor, so a new seed is a new input, not a recompile), and a run stops at ``stop_strings``
+    too (with the ``tokenizer``, as transformers' ``generate``)."""
+
+    def __init__(self, *args, sampling: GenerationConfig | None = None, **kwargs):
+        self.sampler, self.stop_strings, self.tokenizer = Sampler(sampling), None, None
+        super().__init__(*args, **kwargs)
+        self.seed = torch.zeros(1, dtype=torch.long, device=self.backend.device)
+
+    def pick(self, logits, positions):
+        return self.sampler(logits, positions, self.seed)
+
+    def stops(self, history: list[int], stop_ids) -> Stops:
+        return Stops(self.model, history, stop_ids, stop_strings_criteria(self.tokenizer, self.stop_strings))
+
+    def generate(self, ids, new_tokens: int, *args, seed: int = 0, stop_strings=None, tokenizer=None, **kwargs):
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer (tokenizer=...), as in transformers' generate")
+        self.seed.fill_(seed)
+        self.stop_strings, self.tokenizer = stop_strings, tokenizer
+        return super().generate(ids, new_tokens, *args, **kwargs)
+
+
+class SampledDecoder(Sampled, Decoder):
+    """Notebook 04's decoder, sampling."""
+
+
+class SampledRingDecoder(Sampled, RingDecoder):
+    """Notebook 06's decoder on the ring, sampling: what the chat runs."""
+
+
 # %%
 settings = helpers.sampling.sampling_config(temperature=1.0, top_k=64, top_p=0.95)  # pick your own
-sampled = helpers.ring.RingDecoder(model, backend, max_len=MAX_LEN, sampling=settings)
+sampled = SampledRingDecoder(model, backend, max_len=MAX_LEN, sampling=settings)
 print(sampled.sampler)
 with backend.compile_counter() as first:
     one = sampled.generate(ids, series.new_tokens, seed=0)
@@ -245,10 +291,10 @@ assert counts[probs == 0].sum() == 0  # what top-k and top-p remove is never dra
 # same widget as notebook 03, with live tok/s.
 
 # %%
-helpers.show(helpers.sampling.Stops)
+helpers.show(helpers.generate.Stops)  # notebook 03's rule, with transformers' StopStringCriteria
 
 # %%
-widget = helpers.generate.text_widget()
+widget = helpers.course.widgets.text_widget()
 streamer = helpers.generate.StepStreamer(tokenizer, backend, widget)
 stop = "."
 tokens = sampled.generate(
@@ -256,7 +302,7 @@ tokens = sampled.generate(
 )
 text = tokenizer.decode(tokens, skip_special_tokens=True)
 print(f"{len(tokens)} tokens, {streamer.tok_s or 0:.1f} tok/s after the first: {text!r}")
-assert stop in text or tokens[-1] in helpers.sampling.stop_ids(model) or len(tokens) == series.new_tokens
+assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tokens) == series.new_tokens
 
 # %% [markdown]
 # **What you should see:** the text ends at the first full stop (or at `<turn|>`, or at
@@ -282,14 +328,14 @@ long = torch.randint(3, model.config.vocab_size, (1, 3 * window + 5), generator=
 long = long.to(backend.device)
 n = min(series.new_tokens, 12)
 default, _, _ = helpers.generate.generate(model, tokenizer, long, backend, n, stop=False)  # its default cache
-on_ring, cache, _ = helpers.ring.generate_on_ring(model, long, backend, n, max_len=MAX_LEN)
+on_ring, cache, _ = helpers.course.measure.generate_on_ring(model, long, backend, n, max_len=MAX_LEN)
 print(f"prompt {long.shape[1]} tokens (window {window}); ring cache {fmt_bytes(helpers.decode.cache_bytes(cache))}")
-verdict = helpers.checkpoint.compare_tokens(on_ring, default, series.reference_model(), long)  # two programs
+verdict = helpers.course.verdict.compare_tokens(on_ring, default, series.reference_model(), long)  # two programs
 print("greedy, against the default cache:", verdict)
 assert verdict
 
 # sampled and streamed, with a stop string: generate's own sampling, on the ring
-streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.generate.text_widget())
+streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.course.widgets.text_widget())
 torch.manual_seed(0)  # generate draws from torch's generator
 with helpers.ring.inside_generate(model):
     out = model.generate(
@@ -308,7 +354,7 @@ print(f"sampled on the ring: {out.sequences.shape[1] - long.shape[1]} tokens, {s
 if not backend.runs_compiled_generate:  # it crashed torch_xla 2.9's process: refused, with the reason
     print("forward compiled: not on xla (RingDecoder.generate is its compiled path)")
 else:
-    _, _, graphs = helpers.ring.generate_on_ring(model, long, backend, n, max_len=MAX_LEN, compiled=True)
+    _, _, graphs = helpers.course.measure.generate_on_ring(model, long, backend, n, max_len=MAX_LEN, compiled=True)
     print("graphs compiled before each token, forward compiled:", graphs)
     assert sum(graphs[2:]) == 0
 
@@ -345,7 +391,7 @@ assert len(chat.replies) == 2 and chat.status()["context"] == len(chat.tokens)
 # when the notebook runs unattended.)
 
 # %%
-ui = helpers.chat.chat_widget(helpers.chat.Chat(sampled, tokenizer, max_new_tokens=series.new_tokens))
+ui = helpers.course.widgets.chat_widget(helpers.chat.Chat(sampled, tokenizer, max_new_tokens=series.new_tokens))
 ui.submit("Hello!")
 
 # %% [markdown]

@@ -51,7 +51,7 @@ def packed_table_twin(tmp_path_factory):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from helpers import twin
+    from helpers.course import twin
     from helpers.qtable import QTable
 
     source, folder = twin.build_tiny_twin(), tmp_path_factory.mktemp("twin") / "packed-table"

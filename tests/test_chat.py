@@ -5,16 +5,16 @@ import torch
 
 import helpers
 from helpers import chat as c
-from helpers import checkpoint as ck
 from helpers import generate as g
-from helpers import ring, sampling
+from helpers import ring
+from helpers.course import measure, verdict, widgets
 
 TURNS = ["Explain why compilation matters on a TPU, in two sentences.", "And on a GPU?"]
 
 
 @pytest.fixture(scope="module")
 def series():
-    return helpers.series.prepare(helpers.get_backend(), after=5)
+    return helpers.course.series.prepare(helpers.get_backend(), after=5)
 
 
 def test_generate_with_the_ring_cache_gives_its_default_caches_tokens_past_the_window(series):
@@ -23,8 +23,8 @@ def test_generate_with_the_ring_cache_gives_its_default_caches_tokens_past_the_w
     prompt = torch.randint(3, model.config.vocab_size, (1, 3 * window + 5), generator=torch.Generator().manual_seed(0))
     prompt = prompt.to(series.ids.device)
     default, _, _ = g.generate(model, series.tokenizer, prompt, helpers.get_backend(), n, stop=False)
-    tokens, cache, graphs = ring.generate_on_ring(model, prompt, helpers.get_backend(), n, max_len=128)
-    assert ck.compare_tokens(tokens, default, series.reference_model(), prompt) and graphs is None
+    tokens, cache, graphs = measure.generate_on_ring(model, prompt, helpers.get_backend(), n, max_len=128)
+    assert verdict.compare_tokens(tokens, default, series.reference_model(), prompt) and graphs is None
     assert cache.get_seq_length() == prompt.shape[1] + n - 1  # the last token is made, not yet fed
     assert sorted(cache.slot_positions.tolist()) == list(
         range(prompt.shape[1] + n - 1 - window, prompt.shape[1] + n - 1)
@@ -73,12 +73,12 @@ def test_generates_compiled_forward_drives_the_ring_without_a_recompile_per_toke
     backend = helpers.get_backend()
     if not backend.runs_compiled_generate:  # refused up front (xla), not a crash of the process
         with pytest.raises(NotImplementedError, match="use RingDecoder.generate"):
-            ring.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
+            measure.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
         return
     torch._dynamo.reset()
-    eager, _, _ = ring.generate_on_ring(series.model, series.ids, backend, 10, max_len=128)
-    tokens, _, graphs = ring.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
-    assert ck.compare_tokens(tokens, eager, series.reference_model(), series.ids)
+    eager, _, _ = measure.generate_on_ring(series.model, series.ids, backend, 10, max_len=128)
+    tokens, _, graphs = measure.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
+    assert verdict.compare_tokens(tokens, eager, series.reference_model(), series.ids)
     assert graphs[:2] == [1, 1] and sum(graphs[2:]) == 0  # the prefill, the first step, then none
 
 
@@ -92,15 +92,15 @@ def conversation(series):
 def test_turn_two_equals_the_whole_conversation_as_one_prompt_with_no_cache(conversation, series):
     chat, answers = conversation
     first = chat.replies[0]  # turn 1 is the series' prompt: notebook 03's answer, as far as both go
-    assert ck.compare_tokens(first, series.reference[: len(first)], series.reference_model(), series.ids)
+    assert verdict.compare_tokens(first, series.reference[: len(first)], series.reference_model(), series.ids)
     history = chat.tokens[: len(chat.tokens) - len(chat.replies[1])]
-    config = sampling.greedy_config(series.model, 10)
+    config = g.greedy_config(series.model, 10)
     config.use_cache = False
     with torch.no_grad():
         out = series.model.generate(torch.tensor([history], device=series.ids.device), generation_config=config)
     history_ids = torch.tensor([history])
     expected = out.sequences[0, len(history) :].tolist()
-    assert ck.compare_tokens(chat.replies[1], expected, series.reference_model(), history_ids)
+    assert verdict.compare_tokens(chat.replies[1], expected, series.reference_model(), history_ids)
     assert answers[1] == series.tokenizer.decode(chat.replies[1], skip_special_tokens=True)
     text = series.tokenizer.decode(history)
     assert text.count("<|turn>user") == 2 and TURNS[1] in text
@@ -119,7 +119,7 @@ def test_each_turn_goes_in_after_the_cache_and_a_too_long_one_is_refused(convers
 def test_the_chat_widget_streams_a_scripted_turn(conversation, series):
     pytest.importorskip("ipywidgets")
     chat = c.Chat(conversation[0].decoder, series.tokenizer, max_new_tokens=6)  # a new chat: the cache starts over
-    ui = c.chat_widget(chat)
+    ui = widgets.chat_widget(chat)
     ui.submit(TURNS[0])
     log, live = ui.children[0].value, ui.children[1].value
     assert "tok/s" in log and "context" in log and chat.messages[1]["content"] in log and live == ""

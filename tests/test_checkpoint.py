@@ -13,7 +13,8 @@ import torch
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, hub, packed, sampling, series, twin
+from helpers import generate, packed
+from helpers.course import e2b, hub, series, twin, verdict
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +72,10 @@ def test_e2b_kv_cache_bytes_equal_the_reference_figures():
 def test_preflight_refuses_with_the_numbers_and_what_to_change():
     config, cpu = e2b.real_config(), helpers.get_backend("cpu")
     with pytest.raises(ck.CheckpointError) as err:
-        ck.preflight(config, cpu, dequantize=True, available=4 * 10**9, where="v5e-1")
+        hub.preflight(config, cpu, dequantize=True, available=4 * 10**9, where="v5e-1")
     text = _one_line(err)
     assert "9.26 GB" in text and "4.00 GB" in text and "HELPERS_MODEL=tiny" in text
-    assert "fits" in ck.preflight(config, cpu, dequantize=True, available=16 * 2**30)
+    assert "fits" in hub.preflight(config, cpu, dequantize=True, available=16 * 2**30)
 
 
 def _gated(*args, **kwargs):
@@ -116,7 +117,7 @@ def test_a_checkpoint_is_read_from_its_folder_only_never_fetched_on_the_way(monk
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(ck.CheckpointError) as err:
         ck.load(ck.Checkpoint(hub.REPO_ID, None, False, "made by hand"), helpers.get_backend("cpu"))
-    assert "was not fetched" in _one_line(err) and "helpers.hub.fetch" in _one_line(err)
+    assert "was not fetched" in _one_line(err) and "helpers.course.hub.fetch" in _one_line(err)
 
 
 def test_a_gated_repository_is_read_with_the_token_once_the_hub_says_so(monkeypatch):
@@ -308,14 +309,14 @@ def test_a_checkpoint_missing_a_text_tensor_is_refused(tiny, tmp_path):
 def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact(tiny, backend):
     ids = ck.chat_ids(ck.load_tokenizer(tiny), backend.device)
     n = 3 if backend.lazy else 8
-    expected = ck.check_tokens(backend, tiny, ids, n)
+    expected = verdict.check_tokens(backend, tiny, ids, n)
     assert len(expected) == n
     dense, _ = ck.load(tiny, backend, dequantize=True)
     # equal lists: the same class, weights and dtype on the same device, so the same program
-    assert ck.greedy_tokens(dense, ids, n) == expected
+    assert verdict.greedy_tokens(dense, ids, n) == expected
     del dense
     default, _ = ck.load(tiny, backend)
-    assert (ck.greedy_tokens(default, ids, n) == expected) == ck.unpack_is_exact(backend.device)
+    assert (verdict.greedy_tokens(default, ids, n) == expected) == verdict.unpack_is_exact(backend.device)
 
 
 def _shard(source, folder):
@@ -347,7 +348,7 @@ def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path, packed
     models = [ck.load(c, cpu, dtype=torch.float32, dequantize=True)[0] for c in (single, sharded)]
     one, two = (dict(m.state_dict()) for m in models)
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
-    references = [ck.reference_model(c, torch.float32).state_dict() for c in (single, sharded)]
+    references = [verdict.reference_model(c, torch.float32).state_dict() for c in (single, sharded)]
     assert all(torch.equal(references[0][k], references[1][k]) for k in references[0])
     tables = [
         qtable.QTable.from_checkpoint(c, "embed_tokens_per_layer", m.model.embed_tokens_per_layer)
@@ -368,7 +369,7 @@ def dense(tiny, tmp_path_factory):
     import shutil
 
     folder = tmp_path_factory.mktemp("qat") / "dense"
-    ck.reference_model(tiny, torch.bfloat16).save_pretrained(folder)
+    verdict.reference_model(tiny, torch.bfloat16).save_pretrained(folder)
     for path in pathlib.Path(tiny.source).iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "generation_config")):
             shutil.copy(path, folder / path.name)
@@ -382,7 +383,7 @@ def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_
     ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
     reference, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
     # equal lists: bf16 values widened to float32 are the dequantized ones, so the same program runs
-    assert ck.greedy_tokens(model, ids, 8) == ck.greedy_tokens(reference, ids, 8)
+    assert verdict.greedy_tokens(model, ids, 8) == verdict.greedy_tokens(reference, ids, 8)
     assert {r["kind"] for r in ck.memory_report(model)} == {"fp32", "buffers"}
 
 
@@ -400,9 +401,9 @@ def test_the_qat_repositorys_linears_are_kept_compressed_from_their_own_grid(tin
     packed, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
     assert qlinear.keep_linears_compressed(packed, tiny, "int4")["linears"] == len(linears)  # the -ct export's
     ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
-    reference = ck.reference_model(tiny, torch.float32)
-    expected = ck.greedy_tokens(reference, ids, 8)
-    assert ck.compare_tokens(ck.greedy_tokens(model, ids, 8), expected, reference, ids)
+    reference = verdict.reference_model(tiny, torch.float32)
+    expected = verdict.greedy_tokens(reference, ids, 8)
+    assert verdict.compare_tokens(verdict.greedy_tokens(model, ids, 8), expected, reference, ids)
 
 
 def test_a_checkpoint_with_no_packed_weights_and_linears_off_their_grid_is_refused(dense):
@@ -430,14 +431,14 @@ def test_a_model_with_no_linear_to_keep_compressed_is_refused(dense):
 def _greedy(model, ids, n):
     """Exactly ``n`` greedy tokens (no stop: the comparison is of every position)."""
     with torch.no_grad():
-        out = model.generate(ids, generation_config=sampling.greedy_config(model, n, stop=False))
+        out = model.generate(ids, generation_config=generate.greedy_config(model, n, stop=False))
     return out.sequences[0, ids.shape[1] :].tolist()
 
 
 @pytest.fixture(scope="module")
 def teacher(tiny):
     """The reference model of the twin, a prompt it never learned, and 16 greedy tokens."""
-    model = ck.reference_model(tiny, torch.float32)
+    model = verdict.reference_model(tiny, torch.float32)
     ids = ck.encode(ck.load_tokenizer(tiny), "the ring cache and the table keep", "cpu")
     return model, ids, _greedy(model, ids, 16)
 
@@ -449,7 +450,7 @@ def _greedy_after(model, ids, prefix, n):
 
 def test_a_pair_that_parts_at_a_near_tie_is_the_same_and_names_the_tie(teacher):
     model, ids, reference = teacher
-    gaps, ulps = ck.teacher_forced_gaps(model, ids, reference)
+    gaps, ulps = verdict.teacher_forced_gaps(model, ids, reference)
     assert gaps.max() == 0  # the reference's own tokens are its argmaxes
     with torch.no_grad():
         logits = model(torch.cat([ids, torch.tensor([reference])], dim=1)).logits[0, ids.shape[1] - 1 :].float()
@@ -458,19 +459,19 @@ def test_a_pair_that_parts_at_a_near_tie_is_the_same_and_names_the_tie(teacher):
     gap = float(top2.values[p, 0] - top2.values[p, 1])
     other = _greedy_after(model, ids, reference[:p] + [int(top2.indices[p, 1])], len(reference))
     tolerance = int(gap / float(ulps[p])) + 1  # the closest call as a stated tolerance, in float32 ulps
-    verdict = ck.compare_tokens(other, reference, model, ids, tolerance_ulps=tolerance)
-    assert verdict and verdict.first_divergence == p and verdict.near_ties[0][0] == p
-    assert verdict.gap == pytest.approx(gap, rel=1e-4) and f"near tie(s) at [{p}" in str(verdict)
-    strict = ck.compare_tokens(other, reference, model, ids, tolerance_ulps=0)
+    judged = verdict.compare_tokens(other, reference, model, ids, tolerance_ulps=tolerance)
+    assert judged and judged.first_divergence == p and judged.near_ties[0][0] == p
+    assert judged.gap == pytest.approx(gap, rel=1e-4) and f"near tie(s) at [{p}" in str(judged)
+    strict = verdict.compare_tokens(other, reference, model, ids, tolerance_ulps=0)
     assert not strict and strict.failed_at == p  # with no tolerance, the same pair is a fault
-    assert not ck.compare_tokens(other, reference)  # and as lists, for one program run twice
+    assert not verdict.compare_tokens(other, reference)  # and as lists, for one program run twice
 
 
 def test_a_list_that_stops_where_the_reference_goes_on_is_not_the_same(teacher):
     model, ids, reference = teacher
-    verdict = ck.compare_tokens(reference[:-3], reference, model, ids)
-    assert not verdict and verdict.failed_at == len(reference) - 3 and "the other goes on" in str(verdict)
-    same = ck.compare_tokens(reference, reference, model, ids)
+    judged = verdict.compare_tokens(reference[:-3], reference, model, ids)
+    assert not judged and judged.failed_at == len(reference) - 3 and "the other goes on" in str(judged)
+    same = verdict.compare_tokens(reference, reference, model, ids)
     assert same and same.dtype == "float32" and same.largest_ulps == 0 and "float32 ulps" in str(same)
 
 
@@ -485,17 +486,21 @@ def test_a_real_fault_fails_even_when_it_parts_late(teacher):
     tokens = _greedy(faulty, ids, len(reference))
     parted = next(i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b)
     assert parted > late  # it parts late: every token before is the reference's
-    verdict = ck.compare_tokens(tokens, reference, model, ids)
-    assert not verdict and verdict.failed_at == parted and verdict.first_divergence == parted
-    assert verdict.gap > ck.NEAR_TIE_ULPS * 2**-7 * 30 and "no near tie" in str(verdict)
+    judged = verdict.compare_tokens(tokens, reference, model, ids)
+    assert not judged and judged.failed_at == parted and judged.first_divergence == parted
+    assert judged.gap > verdict.NEAR_TIE_ULPS * 2**-7 * 30 and "no near tie" in str(judged)
 
 
 def test_a_verdict_made_is_kept_and_a_dropped_reference_model_is_rebuilt_only_for_a_new_list(tiny, monkeypatch):
     """At full size the reference model is 9 GB, dropped while a step builds something large:
     asking again about tokens already judged must not rebuild it (measured: 06's host peak)."""
     built, compared = [], []
-    monkeypatch.setattr(ck, "reference_model", lambda checkpoint, dtype: built.append(dtype) or f"model {len(built)}")
-    monkeypatch.setattr(ck, "compare_tokens", lambda tokens, *args: compared.append((tokens, args[1])) or len(compared))
+    monkeypatch.setattr(
+        verdict, "reference_model", lambda checkpoint, dtype: built.append(dtype) or f"model {len(built)}"
+    )
+    monkeypatch.setattr(
+        verdict, "compare_tokens", lambda tokens, *args: compared.append((tokens, args[1])) or len(compared)
+    )
     judged = series.Series(tiny, None, None, torch.tensor([[2, 5]]), 3, [7, 8, 9], 3)
     assert judged.same_tokens([7, 8, 9, 4]) == 1  # beyond new_tokens: a timed run's extra token is not judged
     judged.drop_reference_model()

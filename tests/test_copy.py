@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from test_layout import LESSONS, _helpers_imports
 
-from helpers import twin
+from helpers.course import twin
 
 ROOT = pathlib.Path(__file__).parent.parent / "helpers"
 # A model of the twin's class and shapes (random weights) and the twin's tokenizer, by transformers
@@ -28,18 +28,12 @@ ids = torch.tensor([[tok.bos_token_id] + tok.encode("Explain why compilation mat
 EXAMPLES = {
     "tpu": "assert isinstance(lessons.tpu.tpu_chips(), list)",
     "backend": "b = lessons.backend.get_backend('cpu')\nassert b.compile(lambda x: x * 2)(torch.ones(2)).tolist() == [2, 2]",
-    "timing": "t = lessons.timing.time_fn(torch.amax, torch.ones(64), sync=lambda: None, warmup=1, repeats=3)\n"
-    "assert len(t.times) == 3 and t.median > 0",
-    "tables": "assert lessons.tables.fmt_bytes(1_321_205_760) == '1.32 GB'\n"
-    "assert 'a' in lessons.tables.table([{'a': 1}])",
     "packed": "assert lessons.packed.int4_bytes(64) == 32 + 2 * 2  # codes, and a 2-byte scale per group of 32",
     "int4": "codes = lessons.int4.unpack_rows(torch.tensor([[0x76543210]], dtype=torch.int32))\n"
     "assert codes.tolist() == [[-8, -7, -6, -5, -4, -3, -2, -1]]",
     "sampling": "s = lessons.sampling.Sampler(None)\n"
     "assert s(torch.tensor([[0.0, 3.0, 1.0]]), torch.tensor([0]), torch.tensor([0])).item() == 1",
     "modes": "x = torch.ones(4)\nassert torch.equal(lessons.modes.op_stack(x), lessons.modes.op_stack(x))",
-    "e2b": "config = lessons.e2b.real_config()\n"
-    "assert lessons.e2b.kv_cache_bytes(config, lessons.e2b.CONTEXT, ring=True) == 813_170_688",
     "checkpoint": "c = lessons.checkpoint.Checkpoint(FOLDER, None, True, 'copied')\n"
     "model, _ = lessons.checkpoint.load(c, lessons.backend.get_backend('cpu'), dtype=torch.float32)\n"
     "assert lessons.checkpoint.memory_report(model)",
@@ -96,8 +90,6 @@ def test_a_lesson_module_copied_alone_runs(module, tmp_path):
     copied = _with_earlier_lessons(module)
     for name in copied:
         shutil.copy(ROOT / f"{name}.py", package)
-    if "e2b" in copied:
-        shutil.copy(ROOT / "e2b_config.json", package)  # the facts it reads beside itself
     imports = "".join(f"import lessons.{name}\n" for name in sorted(copied))
     script = f"import sys, torch\n{imports}FOLDER = {str(twin.build_tiny_twin())!r}\nCONFIG = {twin.TEXT_CONFIG!r}\n"
     script += EXAMPLES[module] + "\n"

@@ -7,8 +7,8 @@ from transformers.generation.streamers import BaseStreamer
 from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import generate as g
-from helpers import hub, roofline, twin
-from helpers import sampling as s
+from helpers import roofline
+from helpers.course import hub, measure, twin, verdict
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +16,7 @@ def setup():
     import helpers
 
     backend = helpers.get_backend()
-    series = helpers.series.prepare(backend, after=4)  # HF generate's reference, then stripped
+    series = helpers.course.series.prepare(backend, after=4)  # HF generate's reference, then stripped
     model, tokenizer, ids, n = series.model, series.tokenizer, series.ids, series.new_tokens
     torch._dynamo.reset()
     decoder = d.Decoder(model, backend, max_len=128)
@@ -27,7 +27,7 @@ def setup():
 
 def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(backend):
     checkpoint = hub.choose_checkpoint(backend)
-    if not ck.unpack_is_exact(backend.device):
+    if not verdict.unpack_is_exact(backend.device):
         pytest.skip("the default path cannot be checked where unpacking on the device is wrong")
     model, _ = ck.load(checkpoint, backend, dtype=torch.float32)  # still packed: stripping decompresses it
     dense, _ = ck.load(checkpoint, backend, dtype=torch.float32, dequantize=True)
@@ -53,7 +53,7 @@ def test_timed_runs_make_their_count_past_the_stop_and_give_the_reference_up_to_
     length = decoder.max_len - decoder.bucket(ids.shape[1])  # longer than the reply: the stop is ignored
     assert length > len(series.reference)
     with backend.compile_counter() as count:
-        run = d.timed_generate(decoder, ids, length, readback_every=16, repeats=2)
+        run = measure.timed_generate(decoder, ids, length, readback_every=16, repeats=2)
     assert run["tokens"] == tokens  # equal lists: the same compiled programs on the same inputs
     assert series.same_tokens(run["tokens"]) and len(run["rates"]) == 2 and count.graphs == 0
 
@@ -71,7 +71,7 @@ def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(se
         assert len(decoder.generate(ids, long_run, stop_ids=())) == long_run  # past the end of turn, exactly
         for other in others:
             tokens = decoder.generate(other, 4)
-            assert ck.compare_tokens(tokens, g.generate(model, tokenizer, other, backend, 4)[0], model, other)
+            assert verdict.compare_tokens(tokens, g.generate(model, tokenizer, other, backend, 4)[0], model, other)
     assert count.graphs == 0
 
 
@@ -110,11 +110,11 @@ def test_the_decoder_stops_where_generate_does_once_per_readback_and_counts_exac
     backend, model, tokenizer, _, _, decoder, _, _ = setup
     ids = ck.chat_ids(tokenizer, backend.device, prompt="What is the capital of France?")
     expected, _, _ = g.generate(model, tokenizer, ids, backend, 16)  # a short answer, then <turn|>
-    assert len(expected) < 16 and expected[-1] in s.stop_ids(model)
+    assert len(expected) < 16 and expected[-1] in g.stop_ids(model)
     for every in (1, 4, 16):
         streamer = Chunks()
         tokens = decoder.generate(ids, 16, readback_every=every, streamer=streamer)
-        assert ck.compare_tokens(tokens, expected, model, ids)
+        assert verdict.compare_tokens(tokens, expected, model, ids)
         assert sum(map(len, streamer.seen[1:])) == len(tokens)  # nothing after the stop reaches the caller
     assert len(decoder.generate(ids, 16, stop_ids=())) == 16
 

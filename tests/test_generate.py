@@ -5,7 +5,7 @@ from conftest import needs_xla
 
 from helpers import checkpoint as ck
 from helpers import generate as g
-from helpers import sampling, series, twin
+from helpers.course import measure, series, twin, verdict
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +28,10 @@ def test_generates_exactly_the_asked_number_of_tokens_with_a_step_time_each(setu
 def test_greedy_config_stops_at_the_models_stop_ids_or_explicitly_never(setup):
     _, _, model, tokenizer, _ = setup
     stops = tokenizer.convert_tokens_to_ids(["<eos>", "<turn|>"])
-    assert sampling.stop_ids(model) == stops  # generation_config.json's list, as the real checkpoint has
-    config = sampling.greedy_config(model, 7)
+    assert g.stop_ids(model) == stops  # generation_config.json's list, as the real checkpoint has
+    config = g.greedy_config(model, 7)
     assert config.eos_token_id == stops and config.max_new_tokens == 7 and config.do_sample is False
-    assert sampling.greedy_config(model, 7, stop=False).eos_token_id == []
+    assert g.greedy_config(model, 7, stop=False).eos_token_id == []
     assert model.generation_config.eos_token_id == stops  # left alone
 
 
@@ -46,14 +46,14 @@ def test_generate_stops_at_the_end_of_turn_and_the_exact_count_mode_does_not(set
     assert tokenizer.decode(stopped, skip_special_tokens=True) == "Paris is the capital of France."
     exact, _, _ = g.generate(model, tokenizer, ids, backend, 10, stop=False)
     assert len(exact) == 10 and exact[: len(stopped)] == stopped
-    assert sampling.until_stop(exact, sampling.stop_ids(model)) == stopped
-    assert ck.greedy_tokens(model, ids, 10) == stopped
+    assert g.until_stop(exact, g.stop_ids(model)) == stopped
+    assert verdict.greedy_tokens(model, ids, 10) == stopped
 
 
 def test_measure_reports_medians_and_the_same_tokens(setup):
     backend, _, model, tokenizer, ids = setup
     tokens, _, _ = g.generate(model, tokenizer, ids, backend, 4)
-    measured = g.measure(model, tokenizer, ids, backend, 4, repeats=2, warmup=1)
+    measured = measure.measure(model, tokenizer, ids, backend, 4, repeats=2, warmup=1)
     # equal lists: generate's eager forward, the same program on the same inputs each run
     assert measured["tokens"] == tokens and measured["prefill_s"] > 0 and measured["decode_tok_s"] > 0
 
@@ -99,7 +99,7 @@ def test_defer_and_fuse_compiles_every_step_of_a_first_call_and_none_of_a_second
     _, model, tokenizer, _ = series.load_for_series(backend)
     # lengths no other test in this process generated: XLA keeps compiled programs per process
     ids = ck.chat_ids(tokenizer, backend.device, prompt=twin.PROMPT * 4)
-    calls = g.first_and_second_call(model, tokenizer, ids, backend, 4)
+    calls = measure.first_and_second_call(model, tokenizer, ids, backend, 4)
     fused = calls["defer_and_fuse"]
     assert all(p > 0 for p in fused["programs_first"]) and sum(fused["programs_second"]) == 0
-    assert ck.compare_tokens(fused["tokens"], calls["eager"]["tokens"], model, ids)  # two programs: the verdict
+    assert verdict.compare_tokens(fused["tokens"], calls["eager"]["tokens"], model, ids)  # two programs: the verdict

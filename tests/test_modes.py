@@ -1,5 +1,5 @@
 import helpers
-from helpers.results import Results
+from helpers.course.results import Results
 
 
 def test_compare_modes_has_a_row_per_mode_relative_to_eager(backend):
@@ -17,9 +17,9 @@ def test_shape_demo_compiles_once_per_new_shape(backend):
 
 def test_the_modes_step_records_the_source_figure_on_the_compile_row_only(backend, tmp_path):
     results = Results(tmp_path)
-    helpers.steps.record_modes(backend, results, size=16, warmup=1, repeats=2)
+    helpers.course.steps.record_modes(backend, results, size=16, warmup=1, repeats=2)
     rows = {r["label"]: r for r in results.rows()}
     assert set(rows) == set(backend.modes)
-    assert rows["compile"]["source_speedup"] == helpers.sources.COMPILE_SPEEDUP
+    assert rows["compile"]["source_speedup"] == helpers.course.sources.COMPILE_SPEEDUP
     assert all(rows[m]["source_speedup"] is None for m in rows if m != "compile")
     assert all(r["backend"] == backend.name for r in rows.values())

@@ -64,12 +64,12 @@ GLOSSARY_TERMS = {  # the glossary's entries (docs/glossary.md), as the notebook
 def test_the_first_use_of_each_glossary_term_links_to_its_entry(source):
     import re
 
-    from helpers import course
+    from helpers.course import publish
 
     text = "\n".join(c.source for c in jupytext.read(source).cells if c.cell_type == "markdown")
     for anchor, pattern in GLOSSARY_TERMS.items():
         first = re.search(pattern, text, 0 if anchor == "hlo" else re.I)
         if first is not None:
             assert text[first.end() : first.end() + 2] == "](" and text[first.start() - 1] == "[", (anchor, source.name)
-            assert text[first.end() + 2 :].startswith(course.glossary_url(anchor) + ")"), (anchor, source.name)
-    assert course.GLOSSARY.exists()
+            assert text[first.end() + 2 :].startswith(publish.glossary_url(anchor) + ")"), (anchor, source.name)
+    assert publish.GLOSSARY.exists()

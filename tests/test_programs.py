@@ -11,8 +11,9 @@ import torch
 from conftest import needs_xla
 
 import helpers
-from helpers import decode, programs, qlinear, qtable, sampling
+from helpers import decode, qlinear, qtable, sampling
 from helpers.backend import AUDIT_VAR, enable_dump
+from helpers.course import programs
 from helpers.ring import RingDecoder, group_query_heads
 
 os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this target's process only
@@ -33,7 +34,7 @@ def xla_series():
     backend = helpers.get_backend()
     if not backend.lazy:
         pytest.skip("reads what XLA compiled: the xla job")
-    return helpers.series.prepare(backend, after=5)
+    return helpers.course.series.prepare(backend, after=5)
 
 
 @needs_xla
@@ -55,7 +56,7 @@ def test_no_64_bit_integer_work_over_a_table_row_or_the_vocabulary(xla_series):
     is left: transformers' int64 positions and masks, and argmax's own index, an s64 iota as
     long as the vocabulary (torch's argmax returns int64)."""
     config = xla_series.model.config.get_text_config()
-    sampled = decode.Decoder(
+    sampled = sampling.SampledDecoder(
         xla_series.model, helpers.get_backend(), max_len=64, sampling=sampling.sampling_config(top_k=8)
     )
     _, rows = _audits(sampled, xla_series, seed=3)
@@ -149,8 +150,8 @@ def test_notebook_07s_rows_carry_the_audit_of_what_xla_compiled(xla_series):
     cache in place, and the row says how large the largest intermediate is beside the whole
     main table dequantized: what a TPU reader checks before trusting its bytes per step."""
     backend = helpers.get_backend()
-    series = helpers.series.prepare(backend, after=5)  # its own model: the variants change it in place
-    (row,) = helpers.steps.measure_variants_in_place(backend, series, ks=(), variants=("4-bit head",))
+    series = helpers.course.series.prepare(backend, after=5)  # its own model: the variants change it in place
+    (row,) = helpers.course.steps.measure_variants_in_place(backend, series, ks=(), variants=("4-bit head",))
     assert row["same_tokens"] and row["cache_in_place"] and row["cache_bytes_copied"] == 0
     # its int4 linears in the TPU form, the dequantized weight's matmul, not the CPU's planes
     swapped = [m for m in series.model.modules() if isinstance(m, qlinear.QLinear)]

@@ -14,9 +14,10 @@ from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbed
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, hub, int4, packed, series, twin
 from helpers import generate as g
+from helpers import int4, packed
 from helpers import qtable as q
+from helpers.course import e2b, hub, series, twin, verdict
 
 
 @pytest.fixture(scope="module")
@@ -301,8 +302,10 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
     decoder = d.Decoder(model, backend, max_len=128)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
-    independent = ck.reference_model(hub.choose_checkpoint(backend), ck.series_dtype(hub.choose_checkpoint(backend)))
-    assert ck.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2
+    independent = verdict.reference_model(
+        hub.choose_checkpoint(backend), ck.series_dtype(hub.choose_checkpoint(backend))
+    )
+    assert verdict.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2
 
 
 def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows(packed_table_twin):
@@ -325,7 +328,7 @@ def test_the_main_table_in_4bit_keeps_the_tied_heads_logits_and_the_tokens():
     import helpers
 
     backend = helpers.get_backend()
-    series = helpers.series.prepare(backend, after=4)
+    series = helpers.course.series.prepare(backend, after=4)
     model, ids, n = series.model, series.ids, series.new_tokens
     hidden = torch.randn(1, 3, model.config.hidden_size, device=backend.device, dtype=model.lm_head.weight.dtype)
     logits = model.lm_head(hidden)

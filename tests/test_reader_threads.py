@@ -23,7 +23,7 @@ def test_notebook_06s_grouped_attention_check_passes_with_two_threads():
     prelude = (
         "import torch, helpers\n"
         "from transformers import Gemma4ForCausalLM, Gemma4TextConfig\n"
-        "from helpers import twin\n"
+        "from helpers.course import twin\n"
         "assert torch.get_num_threads() == 2, torch.get_num_threads()\n"
         "torch.manual_seed(0)\n"
         "model = Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()  # the twin's class and shapes\n"

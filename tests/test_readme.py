@@ -9,17 +9,29 @@ import re
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MODULES = {p.stem for p in (ROOT / "helpers").glob("*.py")}
+LESSONS = {p.stem for p in (ROOT / "helpers").glob("*.py")}
+BOOKKEEPING = {p.stem for p in (ROOT / "helpers" / "course").glob("*.py")} - {"__init__"}
+MODULES = LESSONS | BOOKKEEPING | {"course"}  # "course": the subpackage's own __init__
+
+
+def _path(module: str) -> pathlib.Path:
+    if module == "course":
+        return ROOT / "helpers" / "course" / "__init__.py"
+    return ROOT / "helpers" / ("course/" if module in BOOKKEEPING else "") / f"{module}.py"
 
 
 def _imports(module: str) -> set[str]:
+    """The package's modules that ``module`` imports: ``..x`` and ``.x`` read from where it sits."""
+    in_course = module in BOOKKEEPING or module == "course"
     found = set()
-    for node in ast.walk(ast.parse((ROOT / "helpers" / f"{module}.py").read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
+    for node in ast.walk(ast.parse(_path(module).read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level >= 1:
+            lessons = node.level == 2 or not in_course  # the lessons' folder, or the course's own
             if node.module:
                 found.add(node.module)
             else:  # from . import x: a module, or a name of the package itself
-                found |= {a.name if a.name in MODULES else "__init__" for a in node.names}
+                pool = LESSONS if lessons else BOOKKEEPING
+                found |= {a.name if a.name in pool else ("__init__" if lessons else "course") for a in node.names}
     return found - {module}
 
 
@@ -45,7 +57,7 @@ def test_the_module_map_lists_every_module_with_its_imports_each_from_above():
 
 
 def _inner_relative_imports(module: str) -> list[int]:
-    tree = ast.parse((ROOT / "helpers" / f"{module}.py").read_text())
+    tree = ast.parse(_path(module).read_text())
     return [
         node.lineno
         for fn in ast.walk(tree)

@@ -9,7 +9,8 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, ring, series, twin
+from helpers import ring
+from helpers.course import e2b, series, twin, verdict
 
 W = twin.TEXT_CONFIG["sliding_window"]
 
@@ -196,7 +197,7 @@ def test_a_max_len_that_is_no_multiple_of_the_chunk_gives_the_no_cache_tokens(ti
     seq = prompt
     for _ in range(6):
         seq = torch.cat([seq, _no_cache(tiny, seq)[0][-1:].argmax(-1)[None]], dim=1)
-    assert ck.compare_tokens(tokens, seq[0, prompt.shape[1] :].tolist(), tiny, prompt)
+    assert verdict.compare_tokens(tokens, seq[0, prompt.shape[1] :].tolist(), tiny, prompt)
 
 
 def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(tiny, cpu):
@@ -222,7 +223,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     checkpoint, model, tokenizer, ids = series.load_for_series(backend)
     n = backend.generation_length
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
-    independent = ck.reference_model(checkpoint, ck.series_dtype(checkpoint))  # on the host
+    independent = verdict.reference_model(checkpoint, ck.series_dtype(checkpoint))  # on the host
     d.strip_compressed_wrappers(model)
     qtable.keep_table_in_4bit(model)
     ring.group_query_heads(model)  # as notebook 06 runs it: the compiled grouped attention, on each backend
@@ -230,7 +231,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     decoder = ring.RingDecoder(model, backend, max_len=256)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
-    assert ck.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2  # a chunk, a step
+    assert verdict.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2  # a chunk, a step
     long = ids.repeat(1, 8)[:, : 7 * W + 3]  # crosses the window seven times; the last chunk padded
     with backend.compile_counter() as again, d.no_recompiles():
         tokens = decoder.generate(long, n, stop_ids=())  # exactly n: the reference below never stops
@@ -239,4 +240,4 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     with torch.no_grad():
         for _ in range(n):
             seq = torch.cat([seq, independent(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)
-    assert ck.compare_tokens(tokens, seq[0, long.shape[1] :].tolist(), independent, long)
+    assert verdict.compare_tokens(tokens, seq[0, long.shape[1] :].tolist(), independent, long)

@@ -14,12 +14,17 @@ import torch
 import helpers
 from helpers import checkpoint as ck
 from helpers import decode as d
-from helpers import e2b, fused, packed, qlinear, roofline
+from helpers import fused, packed, qlinear, roofline
+from helpers.course import (
+    e2b,
+    measure,
+    verdict,
+)
 
 
 @pytest.fixture(scope="module")
 def series():
-    return helpers.series.prepare(helpers.get_backend(), after=5)  # notebook 05's model
+    return helpers.course.series.prepare(helpers.get_backend(), after=5)  # notebook 05's model
 
 
 def test_e2b_figures_by_step_meet_the_targets_and_the_sources_ceilings():
@@ -53,7 +58,7 @@ def test_step_bytes_counts_each_tensor_once_one_row_of_the_gathered_table_and_th
 
 
 def test_the_read_probe_and_the_columns():
-    bandwidth, how = roofline.read_bandwidth(helpers.get_backend())
+    bandwidth, how = measure.read_bandwidth(helpers.get_backend())
     assert bandwidth > 1e8 and how.startswith(("measured", "published"))
     cols = roofline.columns(2_000_000, 50.0, 1e9)
     assert cols == {"bytes_per_token": 2_000_000, "GB_per_s": 0.1, "pct_of_bw": 10.0, "ceiling_tok_s": 500.0}
@@ -62,14 +67,14 @@ def test_the_read_probe_and_the_columns():
 def test_k_tokens_per_call_give_the_same_tokens_with_one_compilation(series):
     backend, k = helpers.get_backend(), 3  # not a divisor of the lengths asked: the last call overshoots
     torch._dynamo.reset()
-    decoder = d.Decoder(series.model, backend, max_len=128, tokens_per_call=k)
+    decoder = roofline.KDecoder(series.model, backend, max_len=128, tokens_per_call=k)
     with backend.compile_counter() as count:
         tokens = decoder.generate(series.ids, series.new_tokens)
     assert series.same_tokens(tokens) and count.graphs == 2  # the prefill bucket and the K-step program
     with backend.compile_counter() as again, d.no_recompiles():
         exact = decoder.generate(series.ids, 11, stop_ids=())
     assert again.graphs == 0 and len(exact) == 11  # not a multiple of K: the last call's extra dropped
-    with pytest.raises(ValueError, match=f"\\+ {k - 1}: the last call makes {k}"):
+    with pytest.raises(ValueError, match=f"\\+ {k - 1}: the last call's"):
         decoder.generate(series.ids, 128 - series.ids.shape[1])
 
 
@@ -115,7 +120,7 @@ def test_linears_kept_compressed_are_the_checkpoints_weights_and_give_the_same_t
         if name in dense:
             assert isinstance(module, qlinear.QLinear) and torch.equal(module.weight, dense[name]), name
     # eager here; compiled (one graph per shape), in notebook 07 and the tour
-    assert series.same_tokens(ck.greedy_tokens(model, series.ids, series.new_tokens))
+    assert series.same_tokens(verdict.greedy_tokens(model, series.ids, series.new_tokens))
 
 
 @pytest.mark.parametrize("fmt", [None, "int4"])
@@ -136,7 +141,7 @@ def test_fused_projections_are_fewer_matmuls_of_the_same_weights_and_give_the_sa
     assert attn.qkv._last is None  # no activation held between forwards
     assert sum(r["bytes"] for r in ck.memory_report(model)) == weights  # concatenated once, the parts freed
     # eager here; compiled (one graph per shape), in notebook 07 and the tour
-    assert series.same_tokens(ck.greedy_tokens(model, series.ids, series.new_tokens))
+    assert series.same_tokens(verdict.greedy_tokens(model, series.ids, series.new_tokens))
     with pytest.raises(ValueError, match="fused already"):
         fused.fuse_projections(model)
     with pytest.raises(ValueError, match="compressed first, then fuse"):
@@ -144,7 +149,7 @@ def test_fused_projections_are_fewer_matmuls_of_the_same_weights_and_give_the_sa
 
 
 def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():
-    from helpers import twin
+    from helpers.course import twin
 
     linear = torch.nn.Linear(64, 16, bias=False)
     with torch.no_grad():

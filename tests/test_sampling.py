@@ -12,10 +12,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 
 import helpers
-from helpers import checkpoint as ck
-from helpers import decode as d
 from helpers import generate as g
 from helpers import sampling as s
+from helpers.course import verdict
 
 VOCAB, DRAWS = 40, 200_000
 SETTINGS = [dict(temperature=0.7, top_k=12, top_p=0.9), dict(temperature=1.6), dict(top_p=0.5)]
@@ -23,7 +22,7 @@ SETTINGS = [dict(temperature=0.7, top_k=12, top_p=0.9), dict(temperature=1.6), d
 
 @pytest.fixture(scope="module")
 def series():
-    return helpers.series.prepare(helpers.get_backend(), after=4)
+    return helpers.course.series.prepare(helpers.get_backend(), after=4)
 
 
 def generate_processors(model, config):
@@ -89,16 +88,16 @@ def test_stop_strings_cut_where_generates_own_stop_strings_cut(series):
     backend, model, tokenizer, ids = helpers.get_backend(), series.model, series.tokenizer, series.ids
     answer = series.reference
     stop = tokenizer.decode(answer[4:6])[1:]  # a string that ends inside the answer, mid-token or not
-    criteria = s.stop_strings_criteria(tokenizer, [stop])
-    keep = s.first_stop(ids[0].tolist(), answer, set(), criteria)
+    criteria = g.stop_strings_criteria(tokenizer, [stop])
+    keep = g.first_stop(ids[0].tolist(), answer, set(), criteria)
     hf, _, _ = g.generate(model, tokenizer, ids, backend, len(answer), stop_strings=[stop])
-    assert keep is not None and keep < len(answer) and ck.compare_tokens(hf, answer[:keep], model, ids)
+    assert keep is not None and keep < len(answer) and verdict.compare_tokens(hf, answer[:keep], model, ids)
 
 
 @pytest.fixture(scope="module")
 def sampled(series):
     backend = helpers.get_backend()
-    decoder = d.Decoder(series.model, backend, 128, sampling=s.sampling_config(temperature=2.0))
+    decoder = s.SampledDecoder(series.model, backend, 128, sampling=s.sampling_config(temperature=2.0))
     with backend.compile_counter() as count:
         first = decoder.generate(series.ids, 12, seed=1, stop_ids=())
     return decoder, first, count
@@ -122,7 +121,7 @@ def test_a_stop_string_ends_a_sampled_run_and_the_streamer_sees_every_token(samp
     # two tokens from the middle that decode to whole characters (a byte-level token alone may not)
     i = next(i for i in range(5, len(first) - 1) if "\ufffd" not in tokenizer.decode(first[i : i + 2]))
     stop = tokenizer.decode(first[i : i + 2])
-    keep = s.first_stop(series.ids[0].tolist(), first, set(), s.stop_strings_criteria(tokenizer, [stop]))
+    keep = g.first_stop(series.ids[0].tolist(), first, set(), g.stop_strings_criteria(tokenizer, [stop]))
     streamer = g.StepStreamer(tokenizer, decoder.backend)
     tokens = decoder.generate(
         series.ids,

@@ -16,7 +16,8 @@ from safetensors import safe_open
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, int4, sampling, synthetic, twin
+from helpers import generate, int4
+from helpers.course import e2b, synthetic, twin
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_it_loads_through_the_series_code_and_decodes_without_collapsing(small):
     assert tokenizer.convert_tokens_to_ids(["<|turn>", "<turn|>"]) == [105, 106] and len(tokenizer) == 512
     ids = ck.chat_ids(tokenizer, "cpu")
     with torch.no_grad():
-        out = model.generate(ids, generation_config=sampling.greedy_config(model, 16, stop=False))
+        out = model.generate(ids, generation_config=generate.greedy_config(model, 16, stop=False))
     tokens = out.sequences[0, ids.shape[1] :].tolist()
     assert len(set(tokens)) >= 4, tokens  # random weights that do not answer one token forever
     assert tokenizer.decode(tokens)  # every id the model makes decodes

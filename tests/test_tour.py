@@ -6,7 +6,7 @@ import nbformat
 import pytest
 import torch
 
-from helpers import tour
+from helpers.course import tour
 
 
 @pytest.mark.reader

@@ -13,8 +13,9 @@ from safetensors import safe_open
 
 import helpers
 from helpers import checkpoint as ck
-from helpers import e2b, hub, sampling, twin
+from helpers import generate
 from helpers.backend import GENERATION_TOKENS
+from helpers.course import e2b, hub, twin, verdict
 
 
 @pytest.fixture(scope="module")
@@ -151,17 +152,17 @@ def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
     checkpoint = ck.Checkpoint(str(folder), None, True, "test")
     tok = ck.load_tokenizer(checkpoint)
     model, _ = ck.load(checkpoint, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
-    tokens = ck.greedy_tokens(model, ck.chat_ids(tok, "cpu"), GENERATION_TOKENS)
+    tokens = verdict.greedy_tokens(model, ck.chat_ids(tok, "cpu"), GENERATION_TOKENS)
     assert len(tokens) < GENERATION_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
     assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[twin.PROMPT]
-    assert sampling.until_stop(tokens, sampling.stop_ids(model)) == tokens
+    assert generate.until_stop(tokens, generate.stop_ids(model)) == tokens
     # thinking on: Gemma 4's template opens a system turn with <|think|>, the reply a thinking channel
     question, answer = twin.THINKING_CHATS[0]
     text = tok.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False, enable_thinking=True
     )
     assert text.startswith("<bos><|turn>system\n<|think|><turn|>\n<|turn>user\n") and text.endswith("<|turn>model\n")
-    tokens = ck.greedy_tokens(model, ck.encode(tok, text, "cpu"), GENERATION_TOKENS)
+    tokens = verdict.greedy_tokens(model, ck.encode(tok, text, "cpu"), GENERATION_TOKENS)
     assert tok.decode(tokens) == answer + "<turn|>" and tok.decode(tokens).startswith("<|channel>thought\n")
 
 

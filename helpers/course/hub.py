@@ -8,10 +8,11 @@ import dataclasses
 import os
 import pathlib
 
-from .backend import Backend
-from .checkpoint import Checkpoint, CheckpointError
-from .e2b import estimate_device_bytes, real_config
+from ..backend import Backend
+from ..checkpoint import Checkpoint, CheckpointError
+from .e2b import CONTEXT, estimate_device_bytes, fit_options, real_config
 from .synthetic import SYNTHETIC, build_synthetic_e2b
+from .tables import fmt_bytes
 from .twin import build_tiny_twin
 
 REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
@@ -146,3 +147,25 @@ def fetch(checkpoint: Checkpoint) -> Checkpoint:
         raise CheckpointError(f"cannot reach the Hub for {checkpoint.source} ({unreachable}) and it is not cached.")
     folder = snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token, allow_patterns=_PATTERNS)
     return dataclasses.replace(checkpoint, folder=str(folder))
+
+
+# --- preflight: refuse before loading what cannot fit ----------------------------------------
+def preflight(
+    config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None
+) -> str:
+    """Refuse, with needed vs available bytes and what to change, a load that will not fit.
+
+    ``available`` and ``where`` describe another device than this backend's (a what-if)."""
+    needed = estimate_device_bytes(config, dequantize)
+    available = backend.free_bytes() if available is None else available
+    where = where or backend.name
+    if available is None:
+        return f"preflight: needs ~{fmt_bytes(needed)}; {where} does not report its free memory"
+    if needed > available:
+        raise CheckpointError(
+            f"will not fit: needs ~{fmt_bytes(needed)} on {where}, {fmt_bytes(available)} free; "
+            "free the device (restart the runtime), load the tiny twin (HELPERS_MODEL=tiny), or pick a larger device; "
+            "what the later notebooks keep smaller at E2B: "
+            + "; ".join(f"{o['option']} saves {fmt_bytes(o['saves'])}" for o in fit_options(config, CONTEXT))
+        )
+    return f"preflight: needs ~{fmt_bytes(needed)} of {fmt_bytes(available)} free on {where}: fits"

@@ -29,9 +29,9 @@ import pathlib
 
 import torch
 
-from .backend import GENERATION_TOKENS
-from .checkpoint import PROMPT
-from .packed import GROUP_SIZE
+from ..backend import GENERATION_TOKENS
+from ..checkpoint import PROMPT
+from ..packed import GROUP_SIZE
 
 TWIN_VERSION = 4  # bump when the twin changes, so cached copies are rebuilt
 CACHE_VAR = "HELPERS_CACHE"

@@ -2,8 +2,8 @@
 notebooks fetch. The README's Colab badges, every notebook's set-up cell and its links to the
 glossary (``docs/glossary.md``) are written from it.
 
-    python -m helpers.course           # rewrite badges and set-up cells (a fork does this once)
-    python -m helpers.course --check   # list where they disagree with this file; exit 1 if any
+    python -m helpers.course.publish           # rewrite badges and set-up cells (a fork does this once)
+    python -m helpers.course.publish --check   # list where they disagree with this file; exit 1 if any
 
 At run time the set-up cell also takes ``COURSE_REPO`` (a URL or a local folder),
 ``COURSE_REF`` and ``COURSE_DIR`` (default ``/content/course``) from the environment.
@@ -19,10 +19,10 @@ import sys
 GITHUB = "OWNER/gemma4-on-tpu"  # owner/name on GitHub: a fork sets its own here
 REF = "main"  # the branch or tag the notebooks fetch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
 README = ROOT / "README.md"
-_FIRST_LINE = "# Set up, the same cell in every notebook (written by helpers.course): fetch the course"
+_FIRST_LINE = "# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course"
 _BADGE = re.compile(
     r"https://colab\.research\.google\.com/github/[^/\s]+/[^/\s]+/blob/[^/\s]+/(notebooks/[^)\s]+\.ipynb)"
 )
@@ -61,8 +61,8 @@ COURSE_REF = os.environ.get("COURSE_REF", "{ref}")  # the branch or tag these no
 COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
-def is_course(folder):  # the course's helpers is a package with course.py beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course.py"))
+def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -150,7 +150,7 @@ def write() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m helpers.course", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m helpers.course.publish", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only list disagreements; exit 1 if any")
     if parser.parse_args(argv).check:
         problems = mismatches()

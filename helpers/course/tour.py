@@ -2,7 +2,7 @@
 this machine's default threads), each appending its rows to one results table; then the table
 and the series' charts.
 
-    python -m helpers.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour] [--notebooks 01 03]
+    python -m helpers.course.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour] [--notebooks 01 03]
 
 Runs on the tiny offline model where no TPU or real weights are at hand. Each executed notebook
 is saved, outputs and all, in the run folder; a cell that fails stops the tour there, with the
@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from .charts import closing_charts
 from .results import RUN_DIR_VAR, Results, run_dir
 
-NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged
 COLUMNS = [
     "step",
@@ -97,7 +97,7 @@ def execute(path: pathlib.Path, folder: pathlib.Path, env: dict[str, str]) -> fl
 
 
 def main(argv: list[str] | None = None) -> Results:
-    parser = argparse.ArgumentParser(prog="python -m helpers.tour", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m helpers.course.tour", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected, or $HELPERS_BACKEND)")
     parser.add_argument("--run-dir", default="runs/tour", help="where results, charts and executed notebooks go")
     parser.add_argument("--notebooks", nargs="*", metavar="NN", help="only these notebooks, by number (default: all)")

@@ -21,9 +21,9 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from .tpu import tpu_chips
+from ..tpu import tpu_chips
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What the notebooks import; the test tools sit in requirements.txt only, and are never installed here.
 REQUIREMENTS = ROOT / "requirements-notebooks.txt"
 # The versions CI's xla job runs beside torch 2.9.0.

@@ -30,8 +30,8 @@ import zlib
 
 import torch
 
+from ..packed import GROUP_SIZE, checkpoint_key
 from . import e2b
-from .packed import GROUP_SIZE, checkpoint_key
 from .twin import CHAT_TEMPLATE, CORPUS, building, cache_dir, quantization_config
 
 SYNTHETIC = "e2b-synthetic"  # HELPERS_MODEL=e2b-synthetic runs the series on it

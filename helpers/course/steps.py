@@ -10,14 +10,17 @@ import statistics
 
 import torch
 
-from . import checkpoint as ck
-from . import modes, programs, roofline, sources
-from .backend import Backend, CompileCount
-from .decode import Decoder, device_bytes, kv_buffers, timed_generate
+from .. import checkpoint as ck
+from .. import roofline
+from ..backend import Backend, CompileCount
+from ..decode import Decoder, kv_buffers
+from ..fused import fuse_projections
+from ..qlinear import keep_linears_compressed
+from ..qtable import keep_embed_in_4bit
+from ..roofline import KDecoder
+from . import measure, programs, sources
 from .e2b import kv_cache_bytes
-from .fused import fuse_projections
-from .qlinear import keep_linears_compressed
-from .qtable import keep_embed_in_4bit
+from .measure import device_bytes, timed_generate
 from .results import Results
 from .series import Series
 from .timing import time_fn
@@ -43,9 +46,9 @@ def measured_on(checkpoint) -> dict:
 def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) -> dict:
     """The timing columns of every timed row: decode tok/s (the median of ``rates``, one per
     timed run), their spread (fastest over slowest: a busy machine shows here), and the
-    roofline at this device's read bandwidth (``roofline.read_bandwidth``)."""
+    roofline at this device's read bandwidth (``measure.read_bandwidth``)."""
     tok_s = statistics.median(rates)
-    bandwidth, _ = roofline.read_bandwidth(backend)
+    bandwidth, _ = measure.read_bandwidth(backend)
     return {
         "decode_tok_s": tok_s,
         "tok_s_spread": max(rates) / min(rates),
@@ -57,7 +60,7 @@ def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) ->
 def record_modes(backend: Backend, results: Results, **options) -> list[dict]:
     """Compare the modes and record one results row per mode, the source's figure beside
     ours on the compile row."""
-    rows = modes.compare_modes(backend, **options)
+    rows = measure.compare_modes(backend, **options)
     for row in rows:
         results.add(
             MODES,
@@ -170,7 +173,8 @@ def measure_variant(
     model = series.model
     torch._dynamo.reset()  # count this variant's compilations only
     backend.reset_peak_memory()
-    decoder = Decoder(model, backend, max_len, tokens_per_call=k, **(options or {}))
+    options = options or {}
+    decoder = KDecoder(model, backend, max_len, k, **options) if k > 1 else Decoder(model, backend, max_len, **options)
     folder = backend.xla_dump_folder
     with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
         with backend.compile_counter() as count:
@@ -188,7 +192,7 @@ def measure_variant(
         "peak_bytes": memory and memory["peak"],
         "weights_bytes": sum(r["bytes"] for r in ck.memory_report(model)),
         **timed_columns(backend, timed["rates"], roofline.step_bytes(model, decoder.cache)),
-        # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.programs
+        # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.course.programs
         **programs.summary(compiled, {programs.hlo_shape(t) for t in kv_buffers(decoder.cache)}),
     }
 

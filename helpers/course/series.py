@@ -11,9 +11,10 @@ import json
 
 import torch
 
-from . import checkpoint as ck
-from . import decode, generate, hub, qtable, ring
-from .backend import Backend
+from .. import checkpoint as ck
+from .. import decode, generate, qtable, ring
+from ..backend import Backend
+from . import hub, verdict
 from .results import run_dir, update_json
 
 
@@ -32,7 +33,7 @@ class Series:
     _reference_model: torch.nn.Module | None = dataclasses.field(default=None, repr=False)
     _verdicts: dict = dataclasses.field(default_factory=dict, repr=False)  # tokens -> Verdict
 
-    def same_tokens(self, tokens: list[int]) -> ck.Verdict:
+    def same_tokens(self, tokens: list[int]) -> verdict.Verdict:
         """Whether ``tokens`` (a run's, up to its first stop) are notebook 03's, over the
         ``new_tokens`` notebook 03 made (a timed run makes more): teacher-forced against the
         checkpoint's reference model (built once, on the host, in the series' dtype, dequantized
@@ -42,14 +43,14 @@ class Series:
         tokens = tokens[: self.new_tokens]
         key = tuple(tokens)  # one teacher-forced forward per distinct list: at full size, seconds each
         if key not in self._verdicts:  # looked up first: a dropped reference model is rebuilt only when needed
-            self._verdicts[key] = ck.compare_tokens(tokens, self.reference, self.reference_model(), self.ids)
+            self._verdicts[key] = verdict.compare_tokens(tokens, self.reference, self.reference_model(), self.ids)
         return self._verdicts[key]
 
     def reference_model(self) -> torch.nn.Module:
         """The checkpoint's reference model, on the host in the series' dtype, built on first use
         (``checkpoint.reference_model``): what "the same tokens" is judged against."""
         if self._reference_model is None:
-            self._reference_model = ck.reference_model(self.checkpoint, ck.series_dtype(self.checkpoint))
+            self._reference_model = verdict.reference_model(self.checkpoint, ck.series_dtype(self.checkpoint))
         return self._reference_model
 
     def drop_reference_model(self) -> None:
@@ -68,7 +69,9 @@ def load_for_series(backend: Backend):
     dtype = ck.series_dtype(checkpoint)
     if dtype == torch.float32:
         backend.set_float32_matmuls_exact()
-    model, _ = ck.load(checkpoint, backend, dtype=dtype, dequantize=not ck.unpack_is_exact(backend.device))
+    dequantize = not verdict.unpack_is_exact(backend.device)
+    print(hub.preflight(ck.text_config(ck.read_config(checkpoint.path)), backend, dequantize))
+    model, _ = ck.load(checkpoint, backend, dtype=dtype, dequantize=dequantize)
     tokenizer = ck.load_tokenizer(checkpoint)
     return checkpoint, model, tokenizer, ck.chat_ids(tokenizer, backend.device)
 

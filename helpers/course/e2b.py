@@ -8,8 +8,8 @@ import pathlib
 
 import torch
 
-from .backend import V5E_BYTES_PER_S
-from .packed import GROUP_SIZE, int4_bytes, table_bytes, table_row_words
+from ..backend import V5E_BYTES_PER_S
+from ..packed import GROUP_SIZE, int4_bytes, table_bytes, table_row_words
 
 # The source study's long context: its ring cache held 131,328 positions, the context the
 # course's long-context figures are computed at.

@@ -1,0 +1,322 @@
+"""What the notebooks measure of the lessons' mechanisms: the modes side by side, the device's
+read bandwidth, HF ``generate``'s rates and its first and second call, a compiled decoder's
+timed runs and profile, transformers' ``StaticCache`` recompiling, the ring against HF's default
+cache over context lengths."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import torch
+from tqdm.auto import tqdm
+
+from ..backend import Backend, get_backend
+from ..checkpoint import memory_report
+from ..decode import Decoder, cache_bytes, cache_read_bytes, greedy_step
+from ..generate import generate, greedy_config, stop_ids, until_stop
+from ..modes import op_input, op_stack
+from ..ring import RingCache, RingDecoder, inside_generate
+from .timing import time_fed, time_fn
+
+
+def measure(
+    model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs
+) -> dict:
+    """Prefill seconds and decode tokens/s, each the median over ``repeats`` runs after
+    ``warmup`` runs of exactly ``new_tokens`` (no stop: every run times the same count);
+    every step ends with the token on the host, so the device is synced. ``tokens``: those
+    up to the first stop id, for comparison."""
+    runs = []
+    for i in range(warmup + repeats):
+        tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)
+        if i >= warmup:
+            runs.append(streamer.step_seconds)
+    prefill = statistics.median(r[0] for r in runs)
+    rates = [(len(r) - 1) / sum(r[1:]) for r in runs]
+    return {
+        "prefill_s": prefill,
+        "decode_tok_s": statistics.median(rates),
+        "tok_s_spread": max(rates) / min(rates),
+        "rates": rates,
+        "tokens": until_stop(tokens, stop_ids(model)),
+        "repeats": repeats,
+    }
+
+
+def ops_per_step(model, context: int = 26) -> dict[str, int]:
+    """The aten ops one eager decode step runs after a ``context``-token prompt, counted by
+    torch's dispatcher (a ``TorchDispatchMode``: no profiler counts ops on the meta device):
+    ``compute``, those that make new data, each a launch from the host in eager mode, and
+    ``views``, metadata only. Works on the meta device, so on E2B's real configuration."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts = {"compute": 0, "views": 0}
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            counts["views" if func.is_view else "compute"] += 1
+            return func(*args, **(kwargs or {}))
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        cache = model(torch.zeros(1, context, dtype=torch.long, device=device), use_cache=True).cache
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        with Count():
+            model(token, cache=cache, use_cache=True)
+    return counts
+
+
+# Under defer-and-fuse every step of a first call is a new shape, so a whole-model compile:
+# 8 steps show it (32 would mean 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
+DEFER_AND_FUSE_TOKENS = 8
+
+
+def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: int) -> dict[str, dict]:
+    """Per mode (eager, and defer-and-fuse where the backend has it): seconds per step of the
+    first call and of a second, identical call, and the device programs each step compiled.
+    Defer-and-fuse generates at most ``DEFER_AND_FUSE_TOKENS``."""
+    calls = {}
+    for mode in backend.modes:
+        if mode == "compile":
+            continue  # HF generate as such is not compiled here: notebook 04 compiles a decode step
+        length = min(new_tokens, DEFER_AND_FUSE_TOKENS) if mode == "defer_and_fuse" else new_tokens
+        with backend.mode(mode):
+            tokens, first, _ = generate(model, tokenizer, ids, backend, length)
+            _, second, _ = generate(model, tokenizer, ids, backend, length)
+        calls[mode] = {
+            "tokens": tokens,
+            "first": first.step_seconds,
+            "second": second.step_seconds,
+            "programs_first": first.step_programs,
+            "programs_second": second.step_programs,
+        }
+    return calls
+
+
+def device_bytes(model, cache) -> int:
+    """Weights and buffers (tied ones once) plus the KV cache, from their tensors."""
+    return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)
+
+
+@torch.no_grad()
+def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
+    """Where the time of ``steps`` compiled decode calls goes, after a prefill of ``ids``:
+    torch.profiler's table of the ``rows`` ops with the most self time, host (CPU) activity
+    everywhere and the GPU's kernels on cuda. On tpu and xla it sees the host's side only
+    (dispatch, guards, waiting for the device); the device's own ops are in the backend's
+    profiler (TorchTPU's, PyTorch/XLA's ``torch_xla.debug.profiler``), not wired in here."""
+    from torch.profiler import profile
+
+    token, position = decoder.prefill(ids)
+    decoder.backend.sync()
+    with profile(activities=decoder.backend.profiler_activities) as prof:
+        for _ in range(steps):
+            _, token, position = decoder.call(token, position)
+        decoder.backend.flush()
+        decoder.backend.sync()
+    return prof.key_averages().table(sort_by=decoder.backend.profiler_sort, row_limit=rows)
+
+
+def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
+    """``repeats`` timed runs of exactly ``new_tokens`` (no stop), each after a prefill timed
+    alone: prefill seconds (median), and decode tokens/s over the tokens after the first (a
+    run's time less its prefill's), median and per run; ``tokens``: the runs' tokens up to the
+    first stop id (every run must give the same)."""
+    sync = decoder.backend.sync
+    prefills, runs, outputs = [], [], []
+    for _ in range(repeats):  # alternated, so both see the same state of a shared machine
+        prefills += time_fn(lambda: decoder.prefill(ids)[0], sync=sync, warmup=0, repeats=1).times
+        run = time_fn(decoder.generate, ids, new_tokens, readback_every, stop_ids=(), sync=sync, warmup=0, repeats=1)
+        runs += run.times
+        outputs.append(run.last)
+    if any(out != outputs[0] for out in outputs):
+        raise AssertionError(f"the {repeats} timed runs of one greedy decoder gave different tokens")
+    rates = [(new_tokens - 1) / max(run - prefill, 1e-9) for run, prefill in zip(runs, prefills)]
+    return {
+        "tokens": until_stop(outputs[0], stop_ids(decoder.model)),
+        "prefill_s": statistics.median(prefills),
+        "decode_tok_s": statistics.median(rates),
+        "rates": rates,
+    }
+
+
+def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
+    """The trap this notebook avoids, counted: transformers' own ``StaticCache`` in a decode
+    step compiled with static shapes. Its sliding layers count tokens in a Python int, so every
+    position is a new guard: graphs compiled at each of ``steps`` steps. Dynamo's ``eager``
+    backend keeps the count cheap: when dynamo recompiles does not depend on the backend.
+    Returns the graphs compiled per step, and dynamo's error if it gave up (its recompile limit)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
+
+    compiled = torch.compile(
+        functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True
+    )
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        position = torch.tensor([[ids.shape[1]]], device=ids.device)
+        counts = []
+        torch._dynamo.reset()
+        for _ in range(steps):
+            try:
+                with backend.compile_counter() as count:
+                    token, position = compiled(token, position)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                return counts, str(err).splitlines()[0]
+            counts.append(count.graphs)
+    return counts, None
+
+
+@torch.no_grad()
+def context_sweep(
+    decoder: RingDecoder,
+    lengths,
+    steps: int,
+    hf_default: bool = True,
+    eager: bool = False,
+    bucketed: RingDecoder | None = None,
+) -> list[dict]:
+    """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled;
+    also not compiled if ``eager``), on ``bucketed`` (the same ring with length buckets) if
+    given, and, if ``hf_default``, on HF's default cache (what ``generate`` builds: a
+    ``DynamicCache``, whole-prompt prefill, eager), side by side; the cache's bytes, and what a
+    step reads of them (``cache_read_bytes``), from the cache tensors. Each decoder is compiled for
+    each length before it is timed (a bucket's first use compiles its programs)."""
+    backend, model, rows = decoder.backend, decoder.model, []
+
+    def ms_per_step(step, token, position):
+        return 1e3 * time_fed(step, (token, position), sync=backend.sync, repeats=steps).median
+
+    def calls(ring):  # one decode call fed its own token, on the bucket that holds it
+        return lambda token, position: ring.call(token, position)[1:]
+
+    def once(fn, *args, **kwargs):  # a prefill: timed once, its output kept
+        return time_fn(fn, *args, sync=backend.sync, warmup=0, repeats=1, **kwargs)
+
+    vocab = model.config.get_text_config().vocab_size
+    prompts = [
+        torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device) for n in lengths
+    ]
+    rings = {"ring": decoder} | ({"buckets": bucketed} if bucketed is not None else {})
+    for ids in tqdm(prompts, desc="contexts"):
+        length, row = ids.shape[1], {"context": ids.shape[1]}
+        for name, ring in rings.items():
+            ring.generate(ids, steps + 1, stop_ids=())  # compiled for this length (its bucket's programs)
+            prefill = once(ring.prefill, ids)
+            row[f"{name} prefill s"] = prefill.median
+            row[f"{name} ms/token"] = ms_per_step(calls(ring), *prefill.last)
+            row[f"{name} cache bytes"] = cache_bytes(ring.cache)
+            row[f"{name} bytes read"] = cache_read_bytes(model, ring.cache)
+        if eager:
+            token, position = decoder.prefill(ids)
+            row["ring eager ms/token"] = ms_per_step(decoder.step, token, position)
+        if hf_default:
+            prefill = once(model, ids, use_cache=True)
+            out = prefill.last
+            row["HF prefill s"] = prefill.median
+            step = functools.partial(greedy_step, model, out.past_key_values)
+            row["HF ms/token"] = ms_per_step(
+                step, out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[length]], device=backend.device)
+            )
+            row["HF cache bytes"] = cache_bytes(out.past_key_values)
+        rows.append(row)
+    return rows
+
+
+@torch.no_grad()
+def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
+    """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
+    ``new_tokens``). ``compiled``: the forward compiled as HF's recipe does, counting the graphs
+    dynamo makes before each token reaches the host (its ``eager`` backend: when dynamo
+    recompiles does not depend on the backend). Returns (tokens, the cache, graphs per token;
+    None when not compiled). Each token ends ``backend``'s deferred group, as notebook 03's
+    streamer does (else lazy XLA grows one graph over the whole run)."""
+    from torch._dynamo.utils import counters
+
+    if compiled and not backend.runs_compiled_generate:
+        raise NotImplementedError(
+            "generate with a compiled forward over lazy XLA tensors crashes torch_xla 2.9's process: "
+            "on xla use RingDecoder.generate (compiled with openxla) or compiled=False"
+        )
+
+    class Graphs:  # a streamer that only counts
+        def __init__(self):
+            self.seen: list[int] = []
+
+        def put(self, value):
+            backend.flush()
+            self.seen.append(counters["stats"]["unique_graphs"])
+
+        def end(self):
+            pass
+
+    cache, graphs = RingCache(model, max_len, model.config.get_text_config().sliding_window), Graphs()
+    if compiled:
+        model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
+    try:
+        with inside_generate(model):
+            out = model.generate(
+                ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
+            )
+    finally:
+        if compiled:
+            del model.forward  # back to the class's own, eager
+    per_token = [b - a for a, b in zip(graphs.seen, graphs.seen[1:])] if compiled else None
+    return out.sequences[0, ids.shape[1] :].tolist(), cache, per_token
+
+
+def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: int = 20) -> list[dict]:
+    """Time ``op_stack`` in every mode the backend has, side by side in one run.
+
+    Returns one row per mode: median/min/max ms per call, speed-up over eager, and the
+    device programs launched per call (None where the backend cannot count that mode's).
+    """
+    x = op_input(backend, size)
+    rows = []
+    for mode in backend.modes:
+        fn = backend.in_mode(op_stack, mode)
+        timing = time_fn(fn, x, sync=backend.sync, warmup=warmup, repeats=repeats, desc=mode)
+        with backend.compile_counter() as count:
+            out = fn(x)
+        del out
+        executions = count.executions if backend.counts_executions(mode) else None
+        rows.append(
+            {
+                "mode": mode,
+                "median_ms": timing.median * 1e3,
+                "min_ms": timing.min * 1e3,
+                "max_ms": timing.max * 1e3,
+                "executions_per_call": executions,
+            }
+        )
+    eager_ms = rows[0]["median_ms"]
+    for row in rows:
+        row["speedup_vs_eager"] = eager_ms / row["median_ms"]
+    return rows
+
+
+READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread
+
+
+@functools.cache
+def _probe(name: str, device: str, megabytes: int) -> tuple[float, float]:
+    backend = get_backend(name)
+    data = torch.randn(megabytes * 2**20 // 4, device=backend.device)
+    timing = time_fn(torch.amax, data, sync=lambda: (backend.flush(), backend.sync()), warmup=2, repeats=READS)
+    return data.numel() * data.element_size() / timing.min, timing.max / timing.min
+
+
+def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
+    """Bytes per second this device reads at, and where the figure comes from: the max of
+    ``megabytes`` of float32 (it reads every byte once and does next to nothing else), the
+    best of ``READS`` reads, measured once per process, with their spread in the description
+    (a busy machine shows there); on a TPU, the published v5e figure. Not a matrix-vector
+    product: on a CPU the compiled step's own loops read faster than MKL's
+    (``benchmarks/matvec.py``)."""
+    if backend.published_bandwidth:
+        return backend.published_bandwidth
+    best, spread = _probe(backend.name, str(backend.device), megabytes)
+    return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
