@@ -49,7 +49,7 @@ args = parser.parse_args()
 
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
 backend = helpers.get_backend(args.backend)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 checkpoint, model, tokenizer, ids = load_for_series(backend)
 print(checkpoint)
 max_len = e2b.CONTEXT if not checkpoint.tiny else e2b.CONTEXT // 64
@@ -58,7 +58,7 @@ if max(args.contexts) > max_len:
 with torch.no_grad():
     model(ids)  # the first forward decompresses the weights
 decode.strip_compressed_wrappers(model)
-keep_table_in_4bit(model, checkpoint)
+keep_table_in_4bit(model, checkpoint.path)
 group_query_heads(model)
 bandwidth, how = measure.read_bandwidth(backend)
 print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s ({how})")

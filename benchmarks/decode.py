@@ -31,10 +31,10 @@ from helpers.course import (
     twin,
     verdict,
 )
+from helpers.course.measure import compiled_forward
 from helpers.course.tables import table
 from helpers.course.timing import time_fn
 from helpers.fused import fuse_projections
-from helpers.generate import compiled_forward
 from helpers.qlinear import QLinear
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

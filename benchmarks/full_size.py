@@ -8,7 +8,7 @@ One row per step (07: per variant): seconds per phase (load, grid recovery, firs
 compiles, prefill), peak host memory of the process during the step, bytes on the device
 (weights and cache), decode tok/s (median of 3 runs) and its spread, the bytes one step reads,
 GB/s and % of the read bandwidth measured in the same run, and the same-token verdict against
-notebook 03's tokens (teacher-forced in bf16: ``checkpoint.compare_tokens``). Beside 04, HF
+notebook 03's tokens (teacher-forced in bf16: ``verdict.compare_tokens``). Beside 04, HF
 ``generate`` with its static cache and compiled forward, timed in the same run. Notebook 06's
 step groups the attention's query heads over their K/V head (``ring.group_query_heads``, kept
 for 07, as the notebooks do), allocates the ring for the source's 131,328 positions, prefills 4
@@ -33,15 +33,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import helpers  # noqa: E402
-from helpers import checkpoint as ck  # noqa: E402
 from helpers import decode  # noqa: E402
-from helpers.course import e2b, hub, measure, sources, steps  # noqa: E402
+from helpers.course import audits, e2b, hub, measure, sources, steps  # noqa: E402
+from helpers.course.measure import compiled_forward  # noqa: E402
 from helpers.course.results import Results, run_dir  # noqa: E402
 from helpers.course.series import Series, load_for_series, save_reference  # noqa: E402
 from helpers.course.synthetic import SYNTHETIC  # noqa: E402
 from helpers.course.tables import fmt_bytes, table
 from helpers.course.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
-from helpers.generate import compiled_forward  # noqa: E402
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 
@@ -63,7 +62,7 @@ args = parser.parse_args()
 
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
 backend = helpers.get_backend(args.backend)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 built = time.perf_counter()
 print(hub.choose_checkpoint(backend), f"(ready in {time.perf_counter() - built:.0f} s, not counted)")
 folder = run_dir(args.run_dir)
@@ -111,7 +110,7 @@ def timed_row(row: dict) -> dict:
 step = Step(steps.LOADING)
 with step.phase("load"):
     checkpoint, model, tokenizer, ids = load_for_series(backend)
-step.done(device_bytes=sum(r["bytes"] for r in ck.memory_report(model)), prompt_tokens=ids.shape[1])
+step.done(device_bytes=sum(r["bytes"] for r in audits.memory_report(model)), prompt_tokens=ids.shape[1])
 n = args.tokens or backend.generation_length
 
 # --- 03: HF generate, eager; its tokens are the reference -----------------------------------
@@ -178,7 +177,7 @@ if ran("05"):
     step = Step(steps.TABLE)
     series.drop_reference_model()  # 9 GB that the grid recovery's working set needs more (rebuilt for the verdict)
     with step.phase("grid_recovery"):
-        series.table = keep_table_in_4bit(model, checkpoint)
+        series.table = keep_table_in_4bit(model, checkpoint.path)
     decoder = decode.Decoder(model, backend, max_len)
     step.done(**compiled(step, steps.TABLE, "4-bit table", decoder, sources.TABLE_4BIT_TOK_S))
     del decoder

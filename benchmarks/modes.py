@@ -18,7 +18,7 @@ parser.add_argument("--repeats", type=int, default=50)
 args = parser.parse_args()
 
 backend = helpers.get_backend(args.backend)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 rows = helpers.compare_modes(backend, size=args.size, warmup=5, repeats=args.repeats)
 print(table(rows, ["mode", "median_ms", "min_ms", "max_ms", "speedup_vs_eager", "executions_per_call"]))
 print(f"source (TPU v5e-1): compile >{helpers.course.sources.COMPILE_SPEEDUP}x faster than eager")

@@ -28,9 +28,10 @@ from torch.profiler import profile
 import helpers
 from helpers import decode
 from helpers.course import hub
+from helpers.course.measure import compiled_forward
 from helpers.course.series import load_for_series
 from helpers.course.synthetic import SYNTHETIC
-from helpers.generate import StepStreamer, compiled_forward, greedy_config
+from helpers.generate import StepStreamer, greedy_config
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=16, help="decode steps profiled per loop")
@@ -44,7 +45,7 @@ args = parser.parse_args()
 
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
 backend = helpers.get_backend(args.backend)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 print(hub.choose_checkpoint(backend))
 checkpoint, model, tokenizer, ids = load_for_series(backend)
 with torch.no_grad():

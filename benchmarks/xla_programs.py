@@ -63,7 +63,7 @@ if not backend.lazy:
     raise SystemExit(f"this reads what XLA compiles: run it with the xla backend (got {backend.name})")
 folder = helpers.backend.dump_folder()
 checkpoint = hub.choose_checkpoint(backend)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 print(checkpoint, "| XLA dumps into", folder)
 
 config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
@@ -166,8 +166,8 @@ def head_in_4bit() -> dict:
 
 
 changes = {
-    "int4 codes a byte each": lambda: keep_linears_compressed(model, checkpoint, "int4-bytes"),
-    "int4 linears": lambda: keep_linears_compressed(model, checkpoint, "int4"),
+    "int4 codes a byte each": lambda: keep_linears_compressed(model, checkpoint.path, "int4-bytes"),
+    "int4 linears": lambda: keep_linears_compressed(model, checkpoint.path, "int4"),
     "4-bit head": head_in_4bit,
     "fused": lambda: fuse_projections(model),
 }
@@ -185,7 +185,7 @@ worst = max(rows, key=lambda r: r["bytes"])
 print(
     f"largest program: {worst['what']} ({worst['program']}), {worst['total']} on XLA's CPU compiler"
     f" ({worst['total_less_copies']} without its float32 copies of bf16 inputs), {worst['of_v5e_limit']} of the"
-    f" {helpers.backend.V5E_HBM_GIB} GiB a v5e-1 gives programs"
+    f" {helpers.backend.V5E_HBM_BYTES / 2**30} GiB a v5e-1 gives programs"
 )
 head = [r for r in rows if "4-bit head" in r["what"] and r["program"].startswith("step")]
 if head:

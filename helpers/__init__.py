@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import os
 
-from .tpu import TPU_PCI_DEVICES, tpu_chips, tpu_scan  # noqa: F401  (cheap: no torch)
+from .course.tpu import TPU_PCI_DEVICES, tpu_chips, tpu_scan  # noqa: F401  (cheap: no torch)
 
 if not tpu_chips():
     # Without a TPU, a libtpu client would query the cloud metadata server for minutes, and
@@ -29,7 +29,7 @@ def show(*functions) -> None:
 _EXPORTS = {
     "install_missing": "course.setup",
     "BackendError": "backend",
-    "get_backend": "backend",
+    "get_backend": "course.hub",
     "op_stack": "modes",
     "compare_modes": "course.measure",
     "shape_demo": "modes",
@@ -57,7 +57,6 @@ _MODULES = {
     "ring",
     "roofline",
     "sampling",
-    "tpu",
 }
 
 

@@ -1,12 +1,6 @@
-"""Which device we run on, and the three execution modes mapped onto it.
-
-Backends: ``tpu`` (TorchTPU, device "tpu"), ``xla`` (PyTorch/XLA, a TPU or its CPU client),
-``cuda`` and ``cpu``. Modes: ``eager``, ``defer_and_fuse`` and ``compile``.
-
-Every call into ``torch_tpu`` lives in this module, and ``torch_xla`` is imported only when
-the ``xla`` backend is asked for: importing either on a machine without their hardware can
-hang or abort the process (see ``docs/torch_tpu.md``).
-"""
+"""Which device we run on (``tpu``: TorchTPU, ``xla``: PyTorch/XLA, ``cuda``, ``cpu``), its three modes, and each
+backend's policy. Only this module calls ``torch_tpu``, and ``torch_xla`` is imported only for ``xla``: importing
+either without its hardware can hang or abort the process (``docs/torch_tpu.md``)."""
 
 from __future__ import annotations
 
@@ -19,33 +13,20 @@ import pathlib
 import re
 import tempfile
 import time
-import warnings
 from typing import Callable
 
 import torch
 import torch._inductor.config as inductor_config
-
-from .tpu import tpu_scan
 
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
 ENV_VAR = "HELPERS_BACKEND"
 _DEFER_AND_FUSE_BACKENDS = ("tpu", "xla")
 _COMPILE_BACKEND = {"tpu": "tpu", "xla": "openxla", "cuda": "inductor", "cpu": "inductor"}
-# The TPU this course targets, as published (the figures the course did not measure, apart from
-# ``sources``' measurements of others: the backend is where they are used).
-# v5e's int8 peak, "393 TOPS (exactly 2x bf16)", the vendor's figure as quoted in xbill9/gemma4-dev,
-# tpu-vllm-v5e1-2b/devto-vllm-gemma4-e2b-v5e1.md
-V5E_INT8_OPS = 393e12
-# Google's published HBM bandwidth and bf16 peak of one TPU v5e chip.
-V5E_BYTES_PER_S = 819e9
-V5E_BF16_FLOPS = 197e12
-# The HBM a v5e-1 gives programs, in the device's own units: 15.75 GiB, as it reported itself to
-# vLLM TPU ("total_hbm_limit_gb=15.75GiB", xbill9/gemma4-dev, jev-tpu-v5e1/evidence-v5e1/
-# kv-and-memory.txt); Google's page says "16 GB" of HBM. Where a device is at hand, its own
-# reported limit is used instead (``Backend.memory_total``).
-V5E_HBM_GIB = 15.75
-V5E_HBM_BYTES = int(V5E_HBM_GIB * 2**30)
+V5E_BYTES_PER_S = 819e9  # Google's published HBM bandwidth of one TPU v5e chip
+# HBM a v5e-1 reports to programs ("total_hbm_limit_gb=15.75GiB" to vLLM TPU: xbill9/gemma4-dev,
+# jev-tpu-v5e1/evidence-v5e1/kv-and-memory.txt; Google says "16 GB"). A device at hand reports its own.
+V5E_HBM_BYTES = int(15.75 * 2**30)
 AUDIT_VAR = "HELPERS_XLA_AUDIT"  # set (to 1) before the xla backend starts: XLA dumps what it compiles
 DUMP_FLAGS = "--xla_dump_to={} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*"
 GENERATION_TOKENS = 32  # tokens per run in the series (``Backend.generation_length``)
@@ -57,40 +38,23 @@ class BackendError(RuntimeError):
 
 
 def _tpu_present() -> bool:
-    # TorchTPU renames PrivateUse1 to "tpu" only when a TPU is really there; never call
-    # torch.tpu.is_available(): it raises on torch >= 2.11.
+    # TorchTPU renames PrivateUse1 to "tpu" only with a TPU there; torch.tpu.is_available() raises on torch >= 2.11
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     return accelerator is not None and accelerator.type == "tpu"
 
 
 def _xla_asked() -> bool:
-    # PJRT_DEVICE is how PyTorch/XLA is told which client to make: setting it is asking for XLA.
+    # PJRT_DEVICE tells PyTorch/XLA which client to make: setting it is asking for XLA
     return "PJRT_DEVICE" in os.environ and importlib.util.find_spec("torch_xla") is not None
 
 
 def detect() -> str:
-    """The backend this machine offers: tpu, then xla (if PJRT_DEVICE is set), cuda, cpu.
-
-    A machine with a TPU chip where TorchTPU did not come up raises rather than falling back
-    to cpu: numbers measured on the host must not pass for the TPU's."""
+    """The backend here: tpu, then xla (if PJRT_DEVICE is set), cuda, cpu."""
     if _tpu_present():
         return "tpu"
     if _xla_asked():
         return "xla"
-    chips, not_driven = tpu_scan()
-    if not_driven and not chips:
-        warnings.warn(
-            "a TPU is here that TorchTPU cannot drive, so it is not used: " + "; ".join(not_driven), stacklevel=2
-        )
-    if chips:
-        raise BackendError(
-            f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "
-            "set-up cell (it installs torch_tpu), restart the runtime if it says so (Runtime > Restart session), "
-            f"then run all cells; to run on the host instead, set {ENV_VAR}=cpu."
-        )
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _check_available(name: str) -> None:
@@ -110,15 +74,14 @@ def _check_available(name: str) -> None:
 
 
 def dump_folder() -> pathlib.Path | None:
-    """Where XLA dumps what it compiles in this process, if it was told to (``XLA_FLAGS``)."""
+    """Where XLA dumps what it compiles in this process, if ``XLA_FLAGS`` says so."""
     found = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
     return pathlib.Path(found.group(1)) if found else None
 
 
 def enable_dump() -> pathlib.Path:
-    """The folder XLA dumps every compiled module into: set in ``XLA_FLAGS`` now, so call it
-    before the xla backend's first device use (XLA reads its flags once, when its client starts).
-    Reuses a dump folder already set there."""
+    """Set (or reuse) a folder in ``XLA_FLAGS`` for XLA's dumps: before the xla backend's first device use, as XLA reads
+    its flags once."""
     if dump_folder():
         return dump_folder()
     folder = pathlib.Path(tempfile.mkdtemp(prefix="xla-dump-"))
@@ -128,14 +91,8 @@ def enable_dump() -> pathlib.Path:
 
 @dataclasses.dataclass
 class CompileCount:
-    """What was compiled inside a ``with backend.compile_counter() as c:`` block.
-
-    graphs: graphs dynamo captured for ``torch.compile``.
-    programs: device programs the backend compiled (lazy/fused and eager op programs);
-        None where the backend does not count them (cpu, cuda).
-    executions: device program launches; None where the backend does not count them.
-    seconds: the block's wall time, the device synced at both ends (a first call: its compile).
-    """
+    """What a ``with backend.compile_counter() as c:`` block compiled: dynamo ``graphs``, device ``programs`` and their
+    ``executions`` (None where uncounted: cpu, cuda), and its ``seconds``, synced at both ends."""
 
     graphs: int = 0
     programs: int | None = None
@@ -144,14 +101,7 @@ class CompileCount:
 
 
 class Backend:
-    """One backend: its device, its three modes, sync, memory and compile counts.
-
-    Args: ``name``, one of ``BACKENDS`` (``get_backend`` checks it is available first).
-    Attributes: ``name``; ``device``, the ``torch.device`` tensors go to; ``modes``, the
-    execution modes it offers. ``memory()`` returns ``{"in_use", "peak"}`` bytes or None;
-    ``compile_counter()`` yields a ``CompileCount`` filled when the block ends. A ``cpu``
-    backend sets inductor's ``cpp.dynamic_threads`` for the process (kernels that read the thread
-    count when they run)."""
+    """One backend (``get_backend`` checks it is available): device, modes, policy, sync, memory, compile counts."""
 
     def __init__(self, name: str):
         self.name = name
@@ -163,16 +113,13 @@ class Backend:
             self._xm = importlib.import_module("torch_xla.core.xla_model")
             self._met = importlib.import_module("torch_xla.debug.metrics")
             self.device = self._xla.device()
-            # On the CPU client a sync waits for its graph: in CI, torch_xla 2.9 crashed (SIGSEGV,
-            # SIGABRT) at the first read issued while an async sync's graph was still running.
+            # the CPU client's sync waits: torch_xla 2.9 crashed (SIGSEGV, SIGABRT) reading while an async sync ran
             self._sync_waits = os.environ["PJRT_DEVICE"] == "CPU"
         else:
             self.device = torch.device(name)
         if name == "cpu":
-            # inductor's CPU kernels read the thread count when they run instead of baking in
-            # today's (a setting of inductor's module, for the whole process): the same kernels
-            # for one thread (a test worker) and for the machine's default (a reader), so one
-            # compile cache serves both
+            # process-wide: kernels read the thread count when they run, so one compile cache serves one thread
+            # (a test worker) and the machine's default (a reader)
             inductor_config.cpp.dynamic_threads = True
 
     def __repr__(self) -> str:
@@ -185,38 +132,35 @@ class Backend:
     # --- policy: what the rest of the course asks of a backend, decided here only ----------
     @property
     def defers_ops(self) -> bool:
-        """Whether eager ops can be deferred and fused into device programs (tpu, xla): there a
-        graph that changes shape each step (HF's default cache) is a new compile each step."""
+        """Ops can be deferred and fused (tpu, xla): a graph that changes shape each step is a compile each step."""
         return self.name in _DEFER_AND_FUSE_BACKENDS
 
     @property
     def lazy(self) -> bool:
-        """PyTorch/XLA's lazy tensors (xla): every op is recorded and runs when synced, as one XLA
-        program; on its CPU client each new program is a compile of seconds to minutes."""
+        """PyTorch/XLA's lazy tensors: ops run as one program when synced; on its CPU client each new program takes
+        seconds to minutes to compile."""
         return self.name == "xla"
 
     @property
     def on_tpu(self) -> bool:
-        """Whether programs run on a TPU chip: TorchTPU, or PyTorch/XLA with ``PJRT_DEVICE=TPU``."""
+        """Programs run on a TPU chip: TorchTPU, or PyTorch/XLA with ``PJRT_DEVICE=TPU``."""
         return self.name == "tpu" or (self.lazy and os.environ.get("PJRT_DEVICE") == "TPU")
 
     @property
     def default_model(self) -> str:
-        """What the series loads here unless told (``hub.choose_checkpoint``): ``"e2b"`` on a TPU
-        (E2B's ~9 GB fit a v5e-1), ``"e2b if it fits"`` on a CUDA GPU (a Colab T4 or L4 when there
-        is no TPU quota), ``"twin"`` on the host and on XLA's CPU client."""
+        """What the series loads unless told: E2B on a TPU, E2B if it fits on a CUDA GPU (a Colab T4 or L4), else the
+        twin."""
         return {"tpu": "e2b", "cuda": "e2b if it fits"}.get(self.name, "twin")
 
     @property
     def load_device_map(self) -> dict[str, str]:
-        """``from_pretrained``'s ``device_map``, set explicitly: transformers places nothing on a
-        TPU by itself. accelerate cannot place onto PyTorch/XLA devices, so on xla the weights
-        load on the host and ``place`` moves them."""
+        """``from_pretrained``'s ``device_map``: transformers places nothing on a TPU by itself; accelerate cannot place
+        onto XLA devices, so there ``place`` moves the model."""
         return {"": "cpu"} if self.lazy else {"": str(self.device)}
 
     def place(self, model):
-        """A model loaded with ``load_device_map``, on the device: on xla moved there and its
-        tied weights tied again (moving onto an XLA device makes new tensors); else as it is."""
+        """A model loaded with ``load_device_map``, on the device (on xla moved, then tied again: the move makes new
+        tensors)."""
         if self.lazy:
             model.to(self.device)
             model.tie_weights()
@@ -224,39 +168,34 @@ class Backend:
 
     @property
     def generation_length(self) -> int:
-        """Tokens generated per run in the series: ``GENERATION_TOKENS``; 8 on xla, where HF
-        ``generate`` compiles a new program at every step."""
+        """Tokens per run in the series; 8 on xla, where HF ``generate`` compiles a new program every step."""
         return 8 if self.lazy else GENERATION_TOKENS
 
     @property
     def timed_length(self) -> int:
-        """Tokens per timed decode run: ``TIMED_TOKENS`` (a rate over the twin's 32 tokens is a
-        few milliseconds, mostly noise); on xla, ``generation_length``: timings there measure
-        the CPU client, not a TPU."""
+        """Tokens per timed run (32 on the twin are mostly noise); on xla as many as generated: timings there time the
+        CPU client."""
         return self.generation_length if self.lazy else TIMED_TOKENS
 
     @property
     def runs_compiled_generate(self) -> bool:
-        """Whether HF ``generate`` may run with a compiled forward: not on xla, where it crashed
-        torch_xla 2.9's process at generate's stop check (SIGSEGV or SIGABRT, twice of two)."""
+        """Whether HF ``generate`` may use a compiled forward: not on xla, where torch_xla 2.9 crashed at its stop check
+        (SIGSEGV or SIGABRT, twice of two)."""
         return not self.lazy
 
     @property
     def published_bandwidth(self) -> tuple[float, str] | None:
-        """The device's published read bandwidth and its source, where the course uses it in
-        place of a measurement: on a TPU, Google's v5e figure; None elsewhere (measured)."""
+        """On a TPU, Google's published bandwidth, used in place of a measurement (None elsewhere)."""
         return (V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s") if self.on_tpu else None
 
     @property
     def xla_dump_folder(self):
-        """Where XLA dumps the programs it compiles, on xla when told to (``HELPERS_XLA_AUDIT=1``
-        before the backend starts); None elsewhere."""
+        """Where XLA dumps its programs: on xla started with ``HELPERS_XLA_AUDIT=1``."""
         return dump_folder() if self.lazy else None
 
     @property
     def profiler_activities(self) -> list:
-        """What torch.profiler records here: the host everywhere, a GPU's kernels on cuda. On tpu
-        and xla it sees the host's side only (dispatch, guards, waiting for the device)."""
+        """What torch.profiler records: the host, and on cuda the kernels; on tpu and xla only the host's side."""
         from torch.profiler import ProfilerActivity
 
         return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.name == "cuda" else [])
@@ -266,34 +205,16 @@ class Backend:
         """The profiler table's column for time spent on this device."""
         return "self_cuda_time_total" if self.name == "cuda" else "self_cpu_time_total"
 
-    def describe(self) -> str:
-        """One line a reader can trust: backend, device and its memory."""
-        parts = [f"backend {self.name}", f"device {self.device}"]
-        if self.name == "cuda":
-            parts.append(torch.cuda.get_device_name(self.device))
-        total = self.memory_total()
-        if total:
-            parts.append(f"{total / 2**30:.1f} GiB device memory")
-        if self.name == "xla":
-            parts.append(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
-        parts.append(f"{torch.get_num_threads()} CPU threads")  # what the host's ops run on (a reader's default)
-        return ", ".join(parts)
-
-    # --- waiting and memory -------------------------------------------------------------
     def sync(self) -> None:
-        """Wait until every queued device op has finished. On a TPU, ``torch.accelerator.synchronize``:
-        in TorchTPU's sources it reaches the device guard's ``synchronizeDevice``, which first
-        launches every deferred op (``MaterializeAll``) and then waits for each stream's
-        executions and copies, so a timing or a count after it covers programs that ran (its
-        Python docstring, "waits for all pending d2h copies", is older than that). Read in the
-        sources, not run: no machine building this course has a TPU."""
+        """Wait for every queued device op. On a TPU ``torch.accelerator.synchronize`` launches deferred ops
+        (``MaterializeAll``) and waits for each stream (read in TorchTPU's sources, not run)."""
         if self.name == "xla":
             self._xm.wait_device_ops()
         elif self.name in ("tpu", "cuda"):
             torch.accelerator.synchronize()
 
     def memory(self) -> dict[str, int] | None:
-        """Bytes in use and peak on the device, from the backend's own counters (None on cpu)."""
+        """``{"in_use", "peak"}`` bytes from the backend's own counters (None on cpu)."""
         if self.name in ("tpu", "cuda"):
             return {"in_use": torch.accelerator.memory_allocated(), "peak": torch.accelerator.max_memory_allocated()}
         if self.name == "xla":
@@ -308,7 +229,7 @@ class Backend:
             return None
 
     def empty_cache(self) -> None:
-        """Hand the allocator's cached blocks back to the device (after a model is dropped)."""
+        """Hand the allocator's cached blocks back to the device."""
         if self.name in ("tpu", "cuda"):
             torch.accelerator.empty_cache()
 
@@ -317,9 +238,8 @@ class Backend:
             torch.accelerator.reset_peak_memory_stats()
 
     def memory_total(self) -> int | None:
-        """Device memory in bytes as the backend reports it (None on cpu): CUDA's total, XLA's
-        ``bytes_limit``, TorchTPU's HBM per device (its table by chip kind: 16 GiB for a v5e;
-        without it, the limit a v5e-1 reports to programs, ``V5E_HBM_BYTES``)."""
+        """Device memory as reported (None on cpu); on a TPU TorchTPU's table by chip kind, failing that
+        ``V5E_HBM_BYTES``."""
         if self.name == "cuda":
             return torch.cuda.get_device_properties(self.device).total_memory
         if self.name == "tpu":
@@ -332,8 +252,7 @@ class Backend:
         return None
 
     def free_bytes(self) -> int | None:
-        """Free device memory where the backend says it (its total less what is in use); host
-        RAM on cpu; None where neither is known."""
+        """Free device memory; available host RAM on cpu; None where unknown."""
         total = self.memory_total()
         if total is not None:
             return total - (self.memory() or {"in_use": 0})["in_use"]
@@ -341,7 +260,6 @@ class Backend:
             return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
         return None
 
-    # --- the three modes ----------------------------------------------------------------
     def _check_mode(self, mode: str) -> None:
         if mode not in MODES:
             raise BackendError(f"unknown mode {mode!r}: pick one of {', '.join(MODES)}.")
@@ -376,62 +294,49 @@ class Backend:
             self._xla.sync(wait=self._sync_waits)
 
     def compile(self, fn: Callable, **options) -> Callable:
-        """``torch.compile`` with this backend's compiler; static shapes unless told otherwise.
-
-        ``dynamic=False`` is what TorchTPU accepts, and it makes every new shape a new
-        compilation, which is the lesson of notebook 01.
-        """
+        """``torch.compile`` with this backend's compiler, ``dynamic=False`` unless told: TorchTPU accepts only that,
+        and each new shape is a new compile."""
         options.setdefault("dynamic", False)
         return torch.compile(fn, backend=_COMPILE_BACKEND[self.name], **options)
 
     def donate(self, *tensors: torch.Tensor) -> None:
-        """Inside a compiled function: ``tensors`` are written in place there (a KV cache), so
-        their buffers may be reused for the program's outputs, not copied whole into new ones.
-        PyTorch/XLA's dynamo bridge aliases an input only when it is marked a buffer donor, in
-        the graph (``dynamo_set_buffer_donor_``); without it, every call writes a new copy of
-        each (measured by ``helpers.course.programs``). TorchTPU 0.2.0's compile offers no such mark (its
-        sources: mutated inputs are functionalized, the program returns new buffers, the tensor
-        is pointed at them after the call); inductor (cpu, cuda) writes in place by itself."""
+        """Inside a compiled function: ``tensors`` written in place (a KV cache) lend their buffers to its outputs.
+        PyTorch/XLA aliases only inputs marked so, else it copies them every call (``helpers.course.programs``);
+        TorchTPU 0.2.0 has no such mark (its sources: mutated inputs come back as new buffers); inductor writes in
+        place by itself."""
         if self.name == "xla":
             for tensor in tensors:
                 torch.ops.xla.dynamo_set_buffer_donor_(tensor, True)
 
     def set_float32_matmuls_exact(self) -> None:
-        """On a TPU, float32 matmuls run in bf16 passes unless told otherwise: set torch's global
-        float32 matmul precision to "highest" there (a process-wide setting, named as such), so
-        the float32 twin's exact comparisons hold. Nothing to do elsewhere."""
+        """On a TPU, float32 matmuls run as bf16 passes unless told: set torch's (process-wide) precision to "highest"
+        so the float32 twin's comparisons hold."""
         if self.name == "tpu":
             torch.set_float32_matmul_precision("highest")
 
     @property
     def int4_by_planes(self) -> bool:
-        """Whether packed int4 times a decode row goes plane by plane (``int4.packed_linear``):
-        on a CPU, where inductor left the columns form a scalar loop (five times slower); elsewhere
-        the dequantized weight's matmul, which a TPU's or GPU's compiler may fuse into its matrix
-        unit, where the planes' products would be elementwise work."""
+        """Packed int4 times a decode row plane by plane (``int4.packed_linear``) on a CPU, where inductor leaves the
+        other form a scalar loop five times slower; elsewhere a dequantized matmul a TPU's compiler may fuse into its
+        matrix unit."""
         return self.name == "cpu"
 
     def use_matvec_loops(self) -> dict | None:
-        """``compile`` options that make a decode step's one-row matmuls loops inductor writes
-        (multiply and sum) instead of calls to the BLAS matrix-vector product: inductor's own
-        ``decompose_mm_pass``. A compressed weight is dequantized in the same kernel, into a
-        buffer of one weight that stays in the CPU's cache. CPU only (None elsewhere): the pass
-        decomposes one-row matmuls on the CPU alone, where MKL reads a decode step's short
-        weight rows at well under half the bandwidth of a plain read, and these loops at two to
-        three times MKL's rate (``benchmarks/matvec.py``). It also raises the pass's size limit,
-        a setting of inductor's module for the whole process (the pass has no per-compile knob)."""
+        """On a CPU, ``compile`` options that make one-row matmuls inductor's own loops (``decompose_mm_pass``),
+        dequantizing in the same kernel: MKL reads short rows at under half a plain read's bandwidth, these loops at
+        two to three times MKL's rate (``benchmarks/matvec.py``). Sets the pass's size limit process-wide. None
+        elsewhere."""
         if self.name != "cpu":
             return None
         from torch._inductor.fx_passes import decompose_mem_bound_mm
 
         # read once, at the pass's import: its default (2048 rows) leaves the vocabulary-wide head to MKL
         decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = 2**31
-        # emulate_precision_casts: a dequantized weight is rounded to bf16 inside the loop, as the
-        # checkpoint's values are, not kept in float32 (measured: logits 0.36 off without it)
+        # emulate_precision_casts: dequantized weights rounded to bf16 in the loop (measured: logits 0.36 off without)
         return {"options": {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "emulate_precision_casts": True}}
 
     def in_mode(self, fn: Callable, mode: str) -> Callable:
-        """``fn`` made to run in ``mode``, its results computed (not merely queued) on return."""
+        """``fn`` run in ``mode``, its results computed (not merely queued) on return."""
         self._check_mode(mode)
         if mode == "compile":
             return self.compile(fn)
@@ -445,7 +350,6 @@ class Backend:
 
         return run
 
-    # --- counting compilations ----------------------------------------------------------
     def _device_counts(self) -> tuple[int | None, int | None]:
         if self.name == "xla":
 
@@ -458,17 +362,15 @@ class Backend:
                 count("ExecuteTime") + count("EagerOpExecuteTime"),
             )
         if self.name == "tpu":
-            # private, but TorchTPU's only counter for eager/fused programs; a dict or an object
-            # depending on the version: every cache miss is one compilation.
+            # private, but TorchTPU's only counter of eager/fused programs (a dict or an object by version)
             stats = torch.tpu._get_cache_stats()
             get = stats.get if isinstance(stats, dict) else lambda key: getattr(stats, key)
             return get("num_cache_reqs") - get("num_cache_hits"), get("num_cache_reqs")
         return None, None
 
     def counts_executions(self, mode: str) -> bool:
-        """Whether ``compile_counter`` sees the launches of ``mode``: PyTorch/XLA counts every
-        execution; TorchTPU counts its eager program cache, which a compiled call bypasses (it
-        runs its executable directly), so there a compiled call would read 0."""
+        """Whether ``compile_counter`` sees ``mode``'s launches: TorchTPU counts its eager program cache, which a
+        compiled call bypasses."""
         return self.name == "xla" or (self.name == "tpu" and mode != "compile")
 
     def programs_compiled(self) -> int | None:
@@ -477,7 +379,7 @@ class Backend:
 
     @contextlib.contextmanager
     def compile_counter(self):
-        """Count what gets compiled inside the block (see ``CompileCount``)."""
+        """Count what gets compiled inside the block (a ``CompileCount``)."""
         from torch._dynamo.utils import counters
 
         self.sync()  # let launches made before the block finish and be counted before it

@@ -1,5 +1,4 @@
-"""A chat on the ring cache: each turn's tokens go in at the cache's current position (prefilled
-in chunks), so the history is never run again, and the reply streams as it is made."""
+"""A chat on the ring cache: each turn goes in at the cache's position, so the history is never run again."""
 
 from __future__ import annotations
 
@@ -13,16 +12,8 @@ _SENTINEL = "\x00reply\x00"  # stands for the last reply while the template rend
 
 
 class Chat:
-    """A conversation with ``decoder``'s model, kept in its ring cache between turns.
-
-    Args: ``decoder``, a ``RingDecoder`` (its ``sampling``: greedy or sampled); ``tokenizer``,
-    with its chat template; ``max_new_tokens``, the most tokens a reply may have; ``seed``, the
-    first turn's (turn i uses ``seed + i``); ``generate_kwargs`` go to ``decoder.generate``
-    (``stop_strings`` with the tokenizer, for instance).
-
-    ``say(text, streamer=None)`` returns the reply's text; ``tokens`` is the whole conversation
-    as token ids, the reply's last token included (the one the cache has not yet seen);
-    ``replies`` the token ids of each reply; ``status()`` the context length and cache bytes."""
+    """A conversation kept in a ``RingDecoder``'s cache between turns; turn i samples with ``seed + i``. ``tokens``: the
+    whole conversation; ``replies``: each reply's ids."""
 
     def __init__(self, decoder: RingDecoder, tokenizer, max_new_tokens: int = 64, seed: int = 0, **generate_kwargs):
         if not isinstance(decoder, RingDecoder):
@@ -36,9 +27,7 @@ class Chat:
         self.replies: list[list[int]] = []
 
     def turn_ids(self, text: str) -> list[int]:
-        """The new user turn's tokens as the chat template writes them after the history: what
-        closes the last reply (less the stop token it ended with), then the turn and the
-        model's prompt. The first turn starts with BOS."""
+        """The new turn's tokens as the chat template writes them after the history (BOS first on the first turn)."""
         device = self.decoder.backend.device
         if not self.messages:
             return ck.chat_ids(self.tokenizer, device, prompt=text)[0].tolist()
@@ -56,9 +45,7 @@ class Chat:
         return self.tokenizer(closing + after[len(before) :], add_special_tokens=False).input_ids
 
     def say(self, text: str, streamer=None) -> str:
-        """The model's reply to ``text``: the turn prefilled after what the cache holds, then
-        decoded with a readback every token (so the cache never holds tokens past the reply's
-        end, which the next turn would have to overwrite) until a stop id or ``max_new_tokens``."""
+        """The reply to ``text``, read back every token, so the cache never holds tokens past the reply's end."""
         turn = self.turn_ids(text)
         held = max(len(self.tokens) - 1, 0)  # the last reply's last token is not in the cache yet
         new = self.tokens[held:] + turn

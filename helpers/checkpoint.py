@@ -1,11 +1,8 @@
-"""Loading a Gemma 4 E2B checkpoint (chosen and fetched by `helpers.course.hub`): refuse what cannot fit, load
-its text decoder onto a device, see where the bytes go, give them back; the series' prompt and
-a reference model dequantized independently. The real checkpoint and the tiny twin go through
-the same code."""
+"""Loading a Gemma 4 E2B checkpoint from its folder onto a device and giving it back; its tokenizer and the series'
+prompt."""
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -18,12 +15,7 @@ import torch
 
 from .backend import Backend
 from .packed import (
-    CHECKPOINT_PREFIX,
     KEY_MAPPING,
-    TEXT_PREFIX,
-    CheckpointTensors,
-    tensor_kind,
-    text_key,
 )
 
 PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the series' prompt, every step
@@ -31,69 +23,6 @@ PROMPT = "Explain why compilation matters on a TPU, in two sentences."  # the se
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked; the message says what to do."""
-
-
-@dataclasses.dataclass
-class Checkpoint:
-    """Where the weights come from, and why: printed first, so a reader knows what ran."""
-
-    source: str  # a repo id or a local folder
-    revision: str | None
-    tiny: bool
-    reason: str
-    folder: str | None = None  # where ``source`` was fetched to once (a download, or the Hub's cache)
-    synthetic: bool = False  # E2B's layout with random weights (``helpers.course.synthetic``)
-
-    @property
-    def name(self) -> str:
-        """A stable name for the weights: the repo id and revision, or the twin's folder name."""
-        return pathlib.Path(self.source).name if self.tiny else f"{self.source}@{self.revision or 'main'}"
-
-    @property
-    def path(self) -> pathlib.Path:
-        """The folder the weights are read from: ``folder``, resolved once where the checkpoint was
-        chosen (``helpers.choose_checkpoint`` fetches what it chooses), or ``source`` itself when it
-        is a folder. Reading never goes to the Hub."""
-        path = pathlib.Path(self.folder or self.source)
-        if not path.is_dir():
-            raise CheckpointError(
-                f"{self.source} is not a local folder and was not fetched: helpers.choose_checkpoint fetches "
-                "what it chooses (helpers.course.hub.fetch fetches a checkpoint made by hand)."
-            )
-        return path
-
-    def __str__(self) -> str:
-        rev = f" @ {self.revision}" if self.revision else ""
-        kind = "tiny offline twin" if self.tiny else "synthetic checkpoint" if self.synthetic else "real checkpoint"
-        return f"{kind}: {self.source}{rev} ({self.reason})"
-
-
-def name_map(checkpoint: Checkpoint) -> list[dict]:
-    """How the checkpoint's tensor names land in the text model, grouped (names only, no data)."""
-    groups: dict[tuple[str, str], int] = {}
-    with CheckpointTensors(checkpoint.path) as tensors:
-        for key in tensors.keys():
-            name = text_key(key)
-            if name is None:
-                group = (".".join(key.split(".")[:2]) + ".*", "not read (audio/vision)")
-            elif name == "lm_head.weight":
-                group = (key, "tied to model.embed_tokens.weight: the copy is redundant")
-            else:
-                group = (CHECKPOINT_PREFIX + "*", TEXT_PREFIX + "*")
-            groups[group] = groups.get(group, 0) + 1
-    return [{"checkpoint": c, "text model": t, "tensors": n} for (c, t), n in groups.items()]
-
-
-# --- the dtype and the config ----------------------------------------------------------------
-def series_dtype(checkpoint: Checkpoint) -> torch.dtype:
-    """bf16 for the real model; float32 for the tiny twin, where the series compares tokens
-    across programs that sum in different orders (eager and fused, cached and uncached, ring
-    and no cache) on prompts the twin never learned. There its logits can be close, and bf16
-    rounds each program differently (measured on xla with an untrained twin: eager and
-    defer-and-fuse differed from the 4th token on), so token identity would test rounding, not
-    code. On the chat turns it learned, its greedy answers are the same in bf16 (top-2 logit
-    gaps of 5.5 or more, measured). Its 4-bit-grid weights are exact in either dtype."""
-    return torch.float32 if checkpoint.tiny else torch.bfloat16
 
 
 def read_config(folder: str | os.PathLike):
@@ -118,20 +47,13 @@ def text_config(config):
     return text
 
 
-# --- loading ---------------------------------------------------------------------------------
-def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False):
-    """The text decoder of ``checkpoint`` on the device, and the seconds it took.
-
-    ``dequantize=False`` is compressed-tensors' default path: packed int4 weights, module
-    forwards wrapped, and everything expanded to ``dtype`` on the first forward.
-    ``dequantize=True`` expands at load into plain dense modules. Audio and vision towers
-    are never built: only the text decoder's tensors are read.
-    """
+def load(folder, backend: Backend, dtype: torch.dtype = torch.bfloat16, dequantize: bool = False):
+    """The text decoder in ``folder`` on the device, and the seconds it took (no audio or vision). ``dequantize=False``:
+    compressed-tensors' default, packed int4 expanded at the first forward; ``True``: dense at load."""
     from transformers import CompressedTensorsConfig, Gemma4ForCausalLM
     from transformers.utils import logging as hf_logging
 
     start = time.perf_counter()
-    folder = checkpoint.path
     config = text_config(read_config(folder))
     quantization = (
         CompressedTensorsConfig(dequantize=dequantize) if getattr(config, "quantization_config", None) else None
@@ -163,15 +85,13 @@ def load(checkpoint: Checkpoint, backend: Backend, dtype: torch.dtype = torch.bf
 
 
 def unload(model, backend: Backend) -> None:
-    """Give a model's memory back before the next load, and print device bytes before and after.
-
-    ``del model`` is not enough: compressed-tensors binds forwards onto modules (reference
-    cycles, freed only by a garbage collection), and a notebook's output history may hold the
-    model too. So every tensor moves to the meta device (no memory) first, wherever the model
-    is still referenced, then Python collects and the allocator hands its cache back."""
+    """Give a model's memory back before the next load: compressed-tensors' bound forwards (reference cycles) and a
+    notebook's outputs may still hold it, so its tensors go to the meta device first."""
     from compressed_tensors.offload import remove_dispatch
 
-    held = sum(row["bytes"] for row in memory_report(model))
+    held = sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
+    )
     before = backend.memory()
     remove_dispatch(model)  # its offload cache would copy into the old tensors instead of letting go
     model.to("meta")
@@ -184,8 +104,7 @@ def unload(model, backend: Backend) -> None:
 
 
 def _check_loading_info(info: dict) -> None:
-    """Every text tensor was read, and nothing but audio/vision tensors (and the redundant
-    lm_head copy, tied to embed_tokens) was left out."""
+    """Every text tensor was read; only audio/vision tensors (and the tied lm_head copy) were left out."""
     if info["missing_keys"] or info["mismatched_keys"]:
         raise CheckpointError(
             f"checkpoint lacks or mismatches text tensors: "
@@ -196,15 +115,14 @@ def _check_loading_info(info: dict) -> None:
         raise CheckpointError(f"checkpoint has text tensors the model does not know: {sorted(stray)[:5]}")
 
 
-def load_tokenizer(checkpoint: Checkpoint):
+def load_tokenizer(folder):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(checkpoint.path)
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def encode(tokenizer, text: str, device) -> torch.Tensor:
-    """Token ids of ``text`` with BOS in front: Gemma's tokenizer does not add it, and
-    without BOS the model echoes the prompt."""
+    """Token ids of ``text`` with BOS, which Gemma's tokenizer does not add (without it the model echoes the prompt)."""
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     if ids.shape[1] == 0 or ids[0, 0] != tokenizer.bos_token_id:
         ids = torch.cat([torch.tensor([[tokenizer.bos_token_id]]), ids], dim=1)
@@ -217,28 +135,6 @@ def chat_ids(tokenizer, device, prompt: str = PROMPT) -> torch.Tensor:
         [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
     )
     return encode(tokenizer, text, device)
-
-
-# --- where the bytes are, and what compressed-tensors attached --------------------------------
-
-
-def memory_report(model) -> list[dict]:
-    """Bytes held by the model, by kind (packed int4, int4 scales, bf16, fp32, ..., buffers)
-    and by device; a tensor shared by two names (tied weights) is counted once."""
-    seen, rows = set(), {}
-    named = [(n, t, False) for n, t in model.named_parameters(remove_duplicate=False)]
-    named += [(n, t, True) for n, t in model.named_buffers(remove_duplicate=False)]
-    for name, tensor, is_buffer in named:
-        if id(tensor) in seen:  # identity, as parameters() dedups: XLA tensors have no data_ptr
-            continue
-        seen.add(id(tensor))
-        kind = "buffers" if is_buffer else tensor_kind(name, tensor)
-        row = rows.setdefault(
-            (kind, str(tensor.device)), {"kind": kind, "device": str(tensor.device), "tensors": 0, "bytes": 0}
-        )
-        row["tensors"] += 1
-        row["bytes"] += tensor.numel() * tensor.element_size()
-    return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
 def compression_report(model) -> list[dict]:

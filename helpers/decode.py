@@ -1,9 +1,6 @@
-"""A compiled decode step: one token in, the next token out, the KV cache updated in place,
-every input on the device, compiled once and reused for every token."""
+"""A compiled decode step: one token in, the next out, the KV cache updated in place, all on the device, compiled once."""
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer
@@ -16,17 +13,14 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
 def cache_length(positions: int) -> int:
-    """A static cache sized to a run of ``positions`` (prompt + new tokens): the smallest of
-    ``PREFILL_BUCKETS`` that holds them (beyond the largest, ``positions`` itself). A step reads
-    its whole buffer, so every position past the run's is read for nothing; a bucket, not the
-    exact length, so runs of similar length share one compiled step."""
+    """A static cache's length for ``positions``: the smallest bucket that holds them (a step reads its whole buffer),
+    shared by runs of similar length."""
     return next((size for size in PREFILL_BUCKETS if size >= positions), positions)
 
 
 def strip_compressed_wrappers(model) -> dict:
-    """Make the model plain again with compressed-tensors' own API: decompress the weights once,
-    in place (if the first forward has not yet), unwrap every quantized forward and drop the
-    quantization parameters, and remove the offloading wrappers. Returns what was removed."""
+    """Make the model plain with compressed-tensors' own API: weights decompressed in place, forwards unwrapped,
+    quantization parameters and offloading wrappers dropped."""
     from compressed_tensors.offload import remove_dispatch
     from compressed_tensors.quantization.quant_metadata import QuantizationMetadata
 
@@ -49,31 +43,21 @@ def strip_compressed_wrappers(model) -> dict:
 
 
 def static_cache(model, max_len: int) -> Cache:
-    """A KV cache preallocated for ``max_len`` positions, one transformers ``StaticLayer`` per
-    cache-owning layer, allocated now (not lazily inside a compiled region).
-
-    Not ``StaticCache`` itself: its sliding-window layer counts tokens in a Python int and
-    shifts its buffer once full, so a compiled step recompiles at every position. A full-length
-    ``StaticLayer`` keeps its count in a device tensor; the model's sliding mask does the rest
-    (notebook 06 replaces these full-length sliding layers with a ring)."""
+    """``StaticLayer``s for ``max_len`` positions, allocated now. Not ``StaticCache``: its sliding layers count tokens
+    in a Python int, so a compiled step recompiles at every position."""
     return Cache(layers=allocated_layers(model, lambda attn: StaticLayer(max_len)))
 
 
 def allocated_layers(model, make_layer) -> list:
-    """One cache layer per decoder layer, ``make_layer(self_attn)``, its buffers allocated now
-    for the layers that own K/V; a K/V-sharing layer reads an earlier layer's and stores none."""
+    """One ``make_layer(self_attn)`` per layer, allocated now where it owns K/V (a sharing layer stores none)."""
     layers = []
     for decoder in model.model.layers:
         attn = decoder.self_attn
         layer = make_layer(attn)
         if not attn.is_kv_shared_layer:
+            weight = attn.k_proj.weight
             kv = torch.zeros(
-                1,
-                attn.k_proj.out_features // attn.head_dim,
-                1,
-                attn.head_dim,
-                dtype=attn.k_proj.weight.dtype,
-                device=attn.k_proj.weight.device,
+                1, attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim, dtype=weight.dtype, device=weight.device
             )
             layer.lazy_initialization(kv, kv)
         layers.append(layer)
@@ -81,14 +65,14 @@ def allocated_layers(model, make_layer) -> list:
 
 
 def set_length(cache: Cache, length: int) -> None:
-    """Rewind or advance every allocated layer to ``length`` positions, in place."""
+    """Rewind or advance every allocated layer to ``length`` positions."""
     for layer in cache.layers:
         if layer.is_initialized:
             layer.cumulative_length.fill_(length)
 
 
 def kv_buffers(cache) -> list[torch.Tensor]:
-    """The K and V tensors a cache holds, layer by layer (none for a K/V-sharing layer)."""
+    """The K and V tensors a cache holds (none for a K/V-sharing layer)."""
     return [
         t
         for layer in getattr(cache, "layers", [])
@@ -98,17 +82,13 @@ def kv_buffers(cache) -> list[torch.Tensor]:
 
 
 def cache_bytes(cache) -> int:
-    """K and V bytes the cache holds, from its tensors: every allocated slot of a static or ring
-    cache (what the attention reads each step: the mask drops unused slots after the read), what
-    a dynamic cache holds now."""
+    """K and V bytes the cache holds (a static or ring cache: all of them read each step)."""
     return sum(t.numel() * t.element_size() for t in kv_buffers(cache))
 
 
 def cache_read_bytes(model, cache) -> int:
-    """K and V bytes one step's attention reads, from the cache's tensors: every layer reads its own
-    buffers, and a K/V-sharing layer those of the last earlier layer of its type that stores them
-    (Gemma 4's ``shared_kv_states``): at E2B a full layer's buffer is read by 7 layers, not held 7
-    times. A static shape reads a whole buffer, filled or not."""
+    """K and V bytes a step's attention reads: a K/V-sharing layer reads its owner's (at E2B a full layer's buffer is
+    read 7 times)."""
     config = model.config.get_text_config()
     owner, total = {}, 0
     for i, (kind, decoder) in enumerate(zip(config.layer_types, model.model.layers)):
@@ -126,12 +106,8 @@ def greedy_step(model, cache: Cache, token, position):
 
 
 class Decoder:
-    """The model on a static cache: a compiled prefill per bucket and one compiled decode step.
-
-    ``model``: a Gemma 4 text model stripped of compressed-tensors' wrappers, on ``backend``'s
-    device; ``max_len``: the positions the cache holds; ``compile_options`` go to ``torch.compile``.
-    ``decode_step(token, position)`` takes and returns int64 device tensors [1, 1]: the next
-    token and ``position + 1``, chosen on the device by ``pick`` (greedy; notebook 08 samples)."""
+    """The model on a static cache: a compiled prefill per bucket and one compiled decode step, ``token, position ->
+    next token, position + 1``, all int64 device tensors [1, 1], the token chosen by ``pick``."""
 
     def __init__(self, model, backend: Backend, max_len: int, **compile_options):
         self.model, self.backend, self.max_len = model, backend, max_len
@@ -154,8 +130,7 @@ class Decoder:
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        # the head on the last real position only: at E2B's 262,144 tokens a 4096-token bucket's
-        # logits would be 2.1 GB of bf16
+        # the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
         logits = self.model(
             input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
         ).logits
@@ -170,8 +145,8 @@ class Decoder:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, start: int = 0):
-        """The prompt, right-padded to its bucket (causal attention keeps the padding out of every
-        real position; the cache is rewound over it); returns the first new token and its position."""
+        """The prompt right-padded to its bucket (causal attention keeps padding out; the cache is rewound over it): the
+        first new token and its position."""
         if start:
             raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
         length = ids.shape[1]
@@ -184,8 +159,8 @@ class Decoder:
 
     @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
     def call(self, token, position):
-        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the
-        last token and its position, all on the device."""
+        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the last token and
+        position."""
         token, position = self.decode_step(token, position)
         return token, token, position
 
@@ -204,10 +179,8 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
-        """At most ``new_tokens`` tokens after ``ids`` [1, L] (``start``: after that many positions
-        already in the cache), each fed straight back on the device and read to the host every
-        ``readback_every`` tokens, where ``stops`` cuts them (``stop_ids=()``: exactly
-        ``new_tokens``). A transformers ``streamer`` gets the prompt, then each chunk."""
+        """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
+        every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
         self.check_room(ids.shape[1], new_tokens, start)
         stops = self.stops(ids[0].tolist(), stop_ids)
         if streamer is not None:
@@ -229,10 +202,3 @@ class Decoder:
             block, token, position = self.call(token, position)
             pending.append(block)
             made += block.shape[1]
-
-
-@contextlib.contextmanager
-def no_recompiles():
-    """A recompile inside the block raises instead of silently compiling again."""
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        yield

@@ -1,12 +1,5 @@
-"""Fewer, larger matmuls: the linears that read the same input, q/k/v in attention and gate/up
-in the MLP, as one matmul each, their weights concatenated once after loading (as fast
-decoders do). A decode step's matmuls are matrix-vector products; one larger one reads the
-same bytes with one launch instead of three, and the input once.
-
-transformers' Gemma 4 calls ``q_proj``, ``k_proj`` and ``v_proj`` one after another on the same
-hidden states (``gate_proj`` and ``up_proj`` likewise), and no library fuses them in place for
-every backend, so each of those names becomes a ``Part`` of one ``Fused`` linear: the first
-part called computes them all, the others read its output, and the last frees it."""
+"""Fewer, larger matmuls: q/k/v and gate/up as one each, weights concatenated once. Written by hand: no library fuses
+Gemma 4's projections in place on every backend; each becomes a ``Part`` of one ``Fused`` linear."""
 
 from __future__ import annotations
 
@@ -16,11 +9,7 @@ from .qlinear import QLinear
 
 
 class Fused(torch.nn.Module):
-    """One linear (``nn.Linear`` or ``QLinear``) in place of several that read one input.
-
-    Args: ``linears``, bias-free, same ``in_features`` and kind; their weights (or codes and
-    scales) are concatenated along the output rows. ``part(x, i)``: [..., in] -> [..., out_i],
-    the i-th linear's output, all of them computed by one matmul per input."""
+    """One linear for several bias-free ones reading one input; ``part(x, i)``: the i-th one's rows of one matmul."""
 
     def __init__(self, linears: list):
         super().__init__()
@@ -30,15 +19,14 @@ class Fused(torch.nn.Module):
             raise ValueError("a linear with a bias: Fused keeps bias-free linears only")
         first = linears[0]
         if isinstance(first, QLinear):
-            codes = torch.cat([m.codes for m in linears])
-            scales = torch.cat([m.scales for m in linears])
+            codes, scales = torch.cat([m.codes for m in linears]), torch.cat([m.scales for m in linears])
             self.linear = QLinear(codes, scales, first.dtype, first.fmt, first.by_planes)
         else:
             weight = torch.cat([m.weight.detach() for m in linears])
             self.linear = torch.nn.Linear(first.in_features, weight.shape[0], bias=False, device="meta")
             self.linear.weight = torch.nn.Parameter(weight, requires_grad=False)
         self.sizes = [m.out_features for m in linears]
-        self._last = None  # (input, outputs) between the first part's call and the last's
+        self._last = None  # (input, outputs) from the first part's call to the last's
 
     def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
         if self._last is None or self._last[0] is not x:
@@ -55,8 +43,7 @@ class Part(torch.nn.Module):
     def __init__(self, fused: Fused, i: int):
         super().__init__()
         self.__dict__["fused"] = fused  # not a child: the fused weights are counted once, under their parent
-        self.i = i
-        self.in_features, self.out_features = fused.linear.in_features, fused.sizes[i]
+        self.i, self.in_features, self.out_features = i, fused.linear.in_features, fused.sizes[i]
 
     @property
     def weight(self) -> torch.Tensor:
@@ -71,9 +58,7 @@ class Part(torch.nn.Module):
 
 
 def fuse_projections(model) -> dict:
-    """Fuse q/k/v (q/k where k is also v; none in a layer that reuses an earlier layer's K/V,
-    which has only q) and gate/up in every text decoder layer, in place; the separate weights
-    are freed. Returns the linears fused and the matmuls they became."""
+    """Fuse q/k/v (q/k where k is also v; none in a K/V-sharing layer: only q) and gate/up in every layer, in place."""
     linears = matmuls = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -1,9 +1,7 @@
-"""The baseline: Hugging Face ``generate`` (greedy), streamed and timed per step; where a run
-stops (the model's stop ids, stop strings), as ``generate`` decides it."""
+"""The baseline: HF ``generate`` (greedy), streamed and timed per step; where a run stops, as ``generate`` decides it."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import html
 import time
@@ -15,18 +13,15 @@ from .backend import Backend
 
 
 class StepStreamer(TextStreamer):
-    """A transformers streamer that notes when each token (or chunk of tokens, from a compiled
-    decoder) reaches the host (and, where the backend counts them, the device programs compiled
-    so far), and shows the text as it comes: into an ipywidgets box in a notebook, with live
-    tok/s over the tokens after the first; nowhere otherwise."""
+    """A streamer noting when each token (or chunk) reaches the host and the programs compiled so far; text and live
+    tok/s in ``widget``."""
 
     def __init__(self, tokenizer, backend: Backend, widget=None):
         super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
-        self.backend, self.widget = backend, widget
+        self.backend, self.widget, self.text = backend, widget, ""
         self.times: list[float] = []
         self.counts: list[int] = []  # tokens in each put: the prompt's, then 1 (generate) or a chunk
         self.programs: list[int | None] = []
-        self.text = ""
 
     def put(self, value):
         self.backend.flush()  # end the step's deferred group, KV cache included (else lazy XLA grows one graph)
@@ -44,18 +39,17 @@ class StepStreamer(TextStreamer):
 
     @property
     def tok_s(self) -> float | None:
-        """Tokens per second after the first (which the prefill made), so far; None before two."""
+        """Tokens per second after the first (the prefill's), so far; None before two."""
         steps = sum(self.counts[2:])
         return steps / (self.times[-1] - self.times[1]) if steps > 0 else None
 
     @property
     def step_seconds(self) -> list[float]:
-        """Seconds per generated token: the first is the prefill (prompt in, first token out)."""
+        """Seconds per generated token, the first the prefill's."""
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
     @property
     def step_programs(self) -> list[int | None]:
-        """Device programs compiled during each step (None where the backend does not count)."""
         if self.programs[0] is None:
             return [None] * (len(self.programs) - 1)
         return [b - a for a, b in zip(self.programs, self.programs[1:])]
@@ -64,8 +58,8 @@ class StepStreamer(TextStreamer):
 def generate(
     model, tokenizer, ids: torch.Tensor, backend: Backend, new_tokens: int, widget=None, stop: bool = True, **kwargs
 ):
-    """Greedy HF ``generate``, streamed, stopping at the model's stop ids (``stop=False``:
-    exactly ``new_tokens``); returns (generated token ids, the streamer, generate's output)."""
+    """Greedy HF ``generate``, streamed (``stop=False``: exactly ``new_tokens``): (new token ids, the streamer, its
+    output)."""
     streamer = StepStreamer(tokenizer, backend, widget)
     config = greedy_config(model, new_tokens, stop)
     config.update(**kwargs)  # e.g. cache_implementation="static"
@@ -74,31 +68,13 @@ def generate(
     return out.sequences[0, ids.shape[1] :].tolist(), streamer, out
 
 
-@contextlib.contextmanager
-def compiled_forward(model, **compile_options):
-    """HF's own recipe for a faster ``generate``, set up on any device: inside the block the
-    model's forward is ``torch.compile``d (what ``generate`` does by itself with
-    ``cache_implementation="static"`` on cuda, xpu and tpu, not on a CPU); pass
-    ``cache_implementation="static"`` to ``generate`` or ``measure``. After it, the class's own
-    forward again."""
-    model.forward = torch.compile(model.forward, **compile_options)
-    try:
-        yield
-    finally:
-        del model.forward
-
-
 def stop_strings_criteria(tokenizer, stop_strings) -> StopStringCriteria | None:
-    """transformers' own check for stop strings, or None for none."""
-    if not stop_strings:
-        return None
-    return StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)
+    return StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings) if stop_strings else None
 
 
 def first_stop(history: list[int], chunk: list[int], stop_ids, criteria: StopStringCriteria | None = None):
-    """How many of ``chunk``'s tokens to keep when it stops: up to and including the first stop
-    id, or the first token that completes a stop string (``criteria``, checked against
-    ``history`` then the chunk, as ``generate`` checks it after every token); None if it goes on."""
+    """How many of ``chunk``'s tokens to keep: through the first stop id or completed stop string (``criteria``); None:
+    no stop."""
     for i, token in enumerate(chunk):
         if token in stop_ids:
             return i + 1
@@ -108,21 +84,18 @@ def first_stop(history: list[int], chunk: list[int], stop_ids, criteria: StopStr
 
 
 def stop_ids(model) -> list[int]:
-    """The ids ``generate`` stops at: the generation config's EOS list (the instruction-tuned
-    Gemma 4's and the twin's: ``<eos>`` and ``<turn|>``)."""
+    """The generation config's EOS ids (instruction-tuned Gemma 4's and the twin's: ``<eos>``, ``<turn|>``)."""
     eos = model.generation_config.eos_token_id
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def until_stop(tokens: list[int], stops) -> list[int]:
-    """``tokens`` up to and including the first stop id: what "the same tokens" compares."""
+    """``tokens`` through the first stop id: what "the same tokens" compares."""
     return tokens[: first_stop([], tokens, stops)]
 
 
 def greedy_config(model, new_tokens: int, stop: bool = True):
-    """Greedy, at most ``new_tokens`` tokens, stopping at the model's stop ids as ``generate``
-    does. ``stop=False``: exactly ``new_tokens`` tokens, the mode timing uses. It sets
-    ``eos_token_id=[]``: a ``None`` would be refilled from the model's own generation config."""
+    """Greedy, at most ``new_tokens``; ``stop=False``: exactly that many (``eos_token_id=[]``: None would be refilled)."""
     config = copy.deepcopy(model.generation_config)
     config.update(
         do_sample=False,
@@ -138,17 +111,15 @@ def greedy_config(model, new_tokens: int, stop: bool = True):
 
 
 class Stops:
-    """Where a run stops, checked on each chunk of tokens read back to the host: after the first
-    of ``ids`` (default: ``model``'s stop ids, as ``generate``; ``()``: never), or where
-    ``criteria`` (transformers' ``StopStringCriteria``: stop strings) says, with the tokens
-    already read (``history``, the prompt's first) as context."""
+    """Where a run stops, checked per chunk read back: the first of ``ids`` (default the model's; ``()``: never) or of
+    the stop strings in ``criteria``."""
 
     def __init__(self, model, history: list[int], ids=None, criteria: StopStringCriteria | None = None):
         self.ids = set(stop_ids(model) if ids is None else ids)
         self.criteria, self.history = criteria, list(history)
 
     def cut(self, chunk: list[int]) -> tuple[list[int], bool]:
-        """The chunk up to and including its first stop, and whether it stopped there."""
+        """The chunk through its first stop, and whether it stopped."""
         keep = first_stop(self.history, chunk, self.ids, self.criteria)
         chunk = chunk[:keep]
         self.history += chunk

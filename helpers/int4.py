@@ -1,8 +1,5 @@
-"""4-bit codes as the checkpoint stores them and as a decode step uses them: the exact grid
-recovered from a bf16 table (``recover_grid``: codes and steps that give every value back),
-packing into int32 words and unpacking, dequantizing, and packed int4 times a decode row
-(``packed_linear``, plane by plane on a CPU, the dequantized weight's matmul elsewhere).
-Notebook 05's table and notebook 07's int4 linears run them."""
+"""4-bit codes as the checkpoint stores them and a decode step uses them: the exact grid of a bf16 table, unpacking,
+dequantizing, and packed int4 times a decode row."""
 
 from __future__ import annotations
 
@@ -10,16 +7,12 @@ import torch
 
 from .packed import GROUP_SIZE
 
-ROWS_PER_BLOCK = 1024  # E2B's table is 2.3 G values: work through it on the host in blocks
-# The peak's level, most likely first: a QAT grid's step is set by its largest value (level 7
-# or 8); smaller ones hold for groups whose values all share a factor.
-_PEAK_LEVELS = (7, 8, 6, 5, 4, 3, 2, 1)
+ROWS_PER_BLOCK = 1024  # E2B's table is 2.3 G values: worked through on the host in blocks
+_PEAK_LEVELS = (7, 8, 6, 5, 4, 3, 2, 1)  # the peak's level, likeliest first: QAT steps by the largest value
 
 
 def _bf16_neighbours(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reals bf16 rounds to the non-negative bf16 numbers of ``bits`` (int32): from halfway to
-    the one below to halfway to the one above, in float32 (exact there: bf16 keeps 8 significant
-    bits of float32's 24)."""
+    """The reals bf16 rounds to each non-negative bf16 ``bits`` (int32): halfway to each neighbour, in float32."""
 
     def value(b):
         return b.to(torch.int16).view(torch.bfloat16).float()
@@ -43,26 +36,13 @@ def _bf16_at_most(x: torch.Tensor) -> torch.Tensor:
 
 
 def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
-    """The 4-bit grid a QAT table lies on, group by group: int8 codes in [-8, 7] and one step
-    per group (either sign) such that bf16(codes x step), the product taken in float32 as
-    ``dequantize`` takes it, is the table's value bit for bit.
-
-    The step may be finer than bf16, as in Google's ``-ct`` export (its tables are bf16(level x
-    step) with a step wider than bf16 or fp16). For each group the steps that reproduce every
-    value form an interval: bf16 rounds each |value| from halfway to its lower neighbour to
-    halfway to its upper one, so |level| x step must lie there, and the step in that range divided
-    by |level|. The levels follow from the peak's (tried as ``_PEAK_LEVELS``); the intervals are
-    intersected (in float32: a division by a level may round the ends by a unit, so every step
-    kept is checked), and a step inside is kept: a bf16 one if there is one, else float32.
-
-    Returns (codes [rows, cols] int8, steps [rows, groups] float32, found [rows, groups]); a
-    group on no such grid is not found (codes 0, step 1). Codes -7..8 (the grid centred the
-    other way) are the same grid with the step's sign flipped, and are stored so."""
-    rows = table.shape[0]
+    """The 4-bit grid a QAT table lies on: int8 codes in [-8, 7] and a step per group with bf16(codes x step) the table
+    bit for bit (the step may be finer than bf16, as in Google's ``-ct`` export): each value's rounding interval over
+    its level bounds the step; a step in every bound is kept, bf16 if one fits. Returns (codes, steps float32,
+    found); a group on no grid: codes 0, step 1."""
     flat = table.float().reshape(-1, group_size)
     value = flat.to(torch.bfloat16)
-    codes = torch.zeros(flat.shape, dtype=torch.int8)
-    steps = torch.ones(flat.shape[0], dtype=torch.float32)
+    codes, steps = torch.zeros(flat.shape, dtype=torch.int8), torch.ones(flat.shape[0], dtype=torch.float32)
     found = (flat == 0).all(-1)  # an all-zero group is exact with any step
     on_bf16 = (value.float() == flat).all(-1)  # else on no bf16 grid at all
     todo = (~found & on_bf16 & torch.isfinite(flat).all(-1)).nonzero().squeeze(1)
@@ -79,8 +59,7 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
         lo = torch.where(nonzero, low / size, 0.0).amax(-1)
         hi = torch.where(nonzero, high / size, torch.inf).amin(-1)
         ok &= lo <= hi
-        step = torch.zeros(todo.numel(), dtype=torch.float32)
-        exact = torch.zeros(todo.numel(), dtype=torch.bool)
+        step, exact = torch.zeros(todo.numel(), dtype=torch.float32), torch.zeros(todo.numel(), dtype=torch.bool)
         for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), lo / 2 + hi / 2):
             fits = ok & ~exact & (candidate > 0) & torch.isfinite(candidate)
             fits &= ((levels.float() * candidate[:, None]).to(torch.bfloat16) == value[todo]).all(-1)
@@ -91,11 +70,11 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
         steps[todo[exact]] = torch.where(flip, -step, step)[exact]
         found[todo[exact]] = True
         todo = todo[~exact]
-    return codes.reshape(table.shape), steps.reshape(rows, -1), found.reshape(rows, -1)
+    return codes.reshape(table.shape), steps.reshape(table.shape[0], -1), found.reshape(table.shape[0], -1)
 
 
 def exact_scales(steps: torch.Tensor) -> torch.Tensor:
-    """``steps`` in bf16 where every one is a bf16 number (half the bytes), else in float32."""
+    """``steps`` in bf16 if every one is a bf16 number (half the bytes), else in float32."""
     narrow = steps.to(torch.bfloat16)
     return narrow if torch.equal(narrow.float(), steps.float()) else steps.float()  # a cast, no arithmetic
 
@@ -107,8 +86,7 @@ def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[to
     from compressed_tensors.quantization.utils import calculate_qparams
 
     args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group_size)
-    groups = table.float().reshape(table.shape[0], -1, group_size)
-    peak = groups.abs().amax(-1)
+    peak = table.float().reshape(table.shape[0], -1, group_size).abs().amax(-1)
     scale, zero_point = calculate_qparams(-peak, peak, args)
     codes = quantize(table.float(), scale, zero_point, args, dtype=torch.int8)
     return codes, scale.to(torch.bfloat16)
@@ -120,18 +98,14 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 
 
 def grid_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes x scales (broadcast to the codes) rounded to bf16, as the QAT grid's values are (and
-    compressed-tensors' bf16 dequantization gives), then in ``dtype``."""
+    """codes x scales rounded to bf16, as the QAT grid's values are, then in ``dtype``."""
     return (codes.float() * scales.float()).to(torch.bfloat16).to(dtype)
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int4 codes from int32 words, eight per word, low nibble first: compressed-tensors'
-    `pack-quantized` layout. Written out because compressed-tensors' own unpack returns wrong
-    codes on PyTorch/XLA (notebook 02): there `>>` of a negative int32 rounds like a division
-    (measured: codes off by one in words with the top bit set). So only non-negative words are
-    shifted: the sign bit is cleared first and given back as the top nibble's high bit. All in
-    int32: a TPU has no 64-bit integers, XLA would emulate every op over the table in pairs."""
+    """int4 codes from int32 words, eight a word, low nibble first (compressed-tensors' `pack-quantized`). Written out:
+    on PyTorch/XLA compressed-tensors' unpack is wrong (``>>`` of a negative int32 rounds like a division), so the
+    sign bit is cleared before shifting and put back as the top nibble's. All int32: a TPU has no 64-bit integers."""
     return code_planes(packed).transpose(-1, -2).flatten(-2)
 
 
@@ -147,17 +121,10 @@ def code_planes(packed: torch.Tensor) -> torch.Tensor:
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, by_planes: bool = False
 ) -> torch.Tensor:
-    """``F.linear(x, weight)`` for the weight [out, in] that int32 words [out, in / 8] and their
-    scales [out, in / 32] hold, its values exactly the grid's (``dequantize``). As written for a
-    TPU (the default): the weight unpacked and dequantized, then a matmul, which XLA may fuse so
-    that the matrix unit reads the packed words. With ``by_planes`` (a CPU's form,
-    ``Backend.int4_by_planes``), one row of ``x`` (a decode step's) is multiplied plane by plane
-    instead: plane k holds every word's k-th code, which multiplies the inputs 8j + k, so each
-    word is read once and shifted by a constant per plane; elementwise work a TPU's vector unit
-    would do, not its matrix unit. The same products, summed in float32 in another order;
-    unpacked into columns, a CPU compiler interleaves the eight codes with a shift that varies
-    along the row and leaves the loop scalar (``benchmarks/int4_cpu.py``: five times slower at
-    E2B's widest linears)."""
+    """``F.linear(x, weight)`` for the weight that int32 words [out, in / 8] and scales [out, in / 32] hold, exactly the
+    grid's. For a TPU: dequantized, then a matmul XLA may fuse. ``by_planes`` (a CPU's form): a decode row times the
+    weight plane by plane, each word read once, shifted by a constant per plane; a CPU compiler leaves the unpacked
+    form a scalar loop (``benchmarks/int4_cpu.py``: five times slower)."""
     if not by_planes or x.shape[:-1].numel() != 1:
         return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
     out, words = packed.shape

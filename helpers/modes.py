@@ -8,8 +8,7 @@ from .backend import Backend
 
 
 def op_stack(x: torch.Tensor, depth: int = 10) -> torch.Tensor:
-    """A stack of small elementwise ops: each is one dispatch (one device program) in eager
-    mode, and all of them together are one fused program when deferred or compiled."""
+    """Small elementwise ops: one device program each in eager mode, one fused program deferred or compiled."""
     for _ in range(depth):
         x = torch.tanh(x * 1.1 + 0.1)
     return x
@@ -23,11 +22,8 @@ def op_input(backend: Backend, size: int) -> torch.Tensor:
 
 
 def shape_demo(backend: Backend, mode: str = "compile", sizes=(64, 64, 128, 128, 96)) -> list[dict]:
-    """Call ``op_stack`` on inputs of the given sizes in order, counting what each call compiles.
-
-    A size seen before reuses its program (0 new compilations); a new size compiles anew.
-    """
-    torch._dynamo.reset()  # start from an empty compile cache, so the counts start at zero
+    """``op_stack`` on each size in turn, counting what each call compiles: a size seen before compiles nothing."""
+    torch._dynamo.reset()  # an empty compile cache: counts start at zero
     fn = backend.in_mode(op_stack, mode)
     rows, total = [], 0
     for size in sizes:

@@ -1,11 +1,5 @@
-"""The linears kept compressed on the device and dequantized inside the compiled step, read
-straight from the checkpoint's packed tensors: the QAT int4 codes stored one per byte (format
-``int4-bytes``, an int8 each: 1 byte a weight; not int8 quantization, whose values would not be
-the checkpoint's) or packed eight per int32 word as compressed-tensors saved them (``int4``,
-half a byte), with their bf16 group scales. Both give the checkpoint's weights exactly: codes x
-scales rounded to bf16, as compressed-tensors' own dequantization does. Packed int4 times a
-decode step's one row goes plane by plane through the words on a CPU, and as the dequantized
-weight's matmul elsewhere (``int4.packed_linear``)."""
+"""Linears kept compressed on the device and dequantized in the step: the checkpoint's int4 codes a byte each
+(``int4-bytes``) or eight a word (``int4``), exactly its weights."""
 
 from __future__ import annotations
 
@@ -18,12 +12,8 @@ FORMATS = ("int4-bytes", "int4")  # codes one per byte, or eight per int32 word
 
 
 class QLinear(torch.nn.Module):
-    """A drop-in for a bias-free ``nn.Linear`` whose weight stays compressed on the device.
-
-    Args: ``codes``, int8 [out, in] (format ``int4-bytes``) or int32 words [out, in / 8] (``int4``,
-    compressed-tensors' ``pack-quantized`` layout); ``scales`` [out, in / 32], bf16 (the
-    checkpoint's), or float32 where a grid's step is finer than bf16 (``from_linear``);
-    ``dtype``, the dtype of the weight the matmul sees. ``forward(x)``: [..., in] -> [..., out]."""
+    """A drop-in for a bias-free ``nn.Linear`` with ``codes`` int8 [out, in] or int32 words [out, in / 8] and ``scales``
+    [out, in / 32]."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str, by_planes=False):
         super().__init__()
@@ -32,13 +22,11 @@ class QLinear(torch.nn.Module):
         self.register_buffer("codes", codes)
         self.register_buffer("scales", scales)
         self.fmt, self.dtype, self.by_planes = fmt, dtype, by_planes
-        self.out_features = codes.shape[0]
-        self.in_features = codes.shape[1] * (8 if fmt == "int4" else 1)
+        self.out_features, self.in_features = codes.shape[0], codes.shape[1] * (8 if fmt == "int4" else 1)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, fmt: str, by_planes: bool = False) -> "QLinear":
-        """From a linear whose weight lies on a 4-bit grid (its codes and scales recovered
-        exactly, never re-quantized); for a model that was not loaded from a packed checkpoint."""
+        """From a linear whose weight lies on a 4-bit grid, recovered exactly (for an unpacked checkpoint)."""
         from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
         codes, scales, found = recover_grid(linear.weight.detach().cpu())
@@ -50,7 +38,7 @@ class QLinear(torch.nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight, dequantized now: what every step computes before its matmul."""
+        """The weight, dequantized: what every step computes before its matmul."""
         codes = unpack_rows(self.codes) if self.fmt == "int4" else self.codes
         return dequantize(codes, self.scales, self.dtype)
 
@@ -67,19 +55,13 @@ class QLinear(torch.nn.Module):
         )
 
 
-def keep_linears_compressed(model, checkpoint, fmt: str, by_planes: bool = False) -> dict:
-    """Swap every text linear for a ``QLinear`` in ``fmt``, never re-quantized: built from the
-    checkpoint's own codes and scales where it saved them packed (Google's ``-ct`` export), or,
-    for a checkpoint that saved no packed weight (the QAT repository's dense bf16), from each
-    dense weight's own 4-bit grid, recovered exactly (a weight off its grid is refused). The
-    dense weights are freed. Returns where the codes came from, the count, and bytes before and
-    after; a model with no linear to swap is refused, never timed under this name. ``by_planes``:
-    the packed product's form for a CPU (``int4.packed_linear``)."""
+def keep_linears_compressed(model, folder, fmt: str, by_planes: bool = False) -> dict:
+    """Swap every text linear for a ``QLinear`` in ``fmt``, from the packed codes in ``folder``, else each weight's own
+    grid (off-grid refused; no linear at all refused)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
-    before = after = 0
-    built = {}
-    with CheckpointTensors(checkpoint.path) as tensors:
+    before, after, built = 0, 0, {}
+    with CheckpointTensors(folder) as tensors:
         packed = any(key.endswith(".weight_packed") for key in tensors.keys())
         for name, module in list(model.model.named_modules()):
             stem = checkpoint_key(f"model.{name}") + "."
@@ -111,9 +93,7 @@ def keep_linears_compressed(model, checkpoint, fmt: str, by_planes: bool = False
             after += sum(t.numel() * t.element_size() for t in (q.codes, q.scales))
             built[name] = q
     if not built:
-        raise ValueError(
-            f"{checkpoint}: no text linear to keep compressed, so nothing would be measured as {fmt} linears"
-        )
+        raise ValueError(f"{folder}: no text linear to keep compressed, so nothing would be measured as {fmt} linears")
     for name, q in built.items():  # swapped once every one is built: a refusal leaves the model as it was
         parent, _, child = name.rpartition(".")
         setattr(model.model.get_submodule(parent) if parent else model.model, child, q)

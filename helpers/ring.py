@@ -1,12 +1,7 @@
-"""A ring KV cache: each sliding-window layer keeps exactly ``sliding_window`` positions
-(position p in slot p mod window), each full-attention layer a buffer up to the maximum
-context, KV-sharing layers nothing. Masks come from absolute positions, so a slot's position
-is always known; long prompts go through in fixed-size chunks, the last one padded. Attention
-reads each K/V head once for the query heads that share it (``grouped_attention``)."""
+"""A ring KV cache: a sliding layer keeps ``sliding_window`` positions (p in slot p mod window), a full layer up to the
+maximum context; masks from absolute positions; prompts in fixed chunks."""
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from transformers import AttentionInterface
@@ -20,12 +15,9 @@ GROUPED = "grouped_sdpa"  # the attention implementation ``group_query_heads`` s
 
 
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' SDPA attention with the query heads that share a K/V head stacked along the
-    queries ([B, H, S, D] -> [B, H_kv, H / H_kv * S, D]), so K and V are read as the cache holds
-    them. transformers' own SDPA attention repeats them for every query head (``repeat_kv``)
-    wherever a mask is given and in every compiled graph: a copy 8x a full layer's K and V at
-    E2B's one K/V head, 1.08 GB of K alone at 131,328 positions (``e2b.full_attention_bytes``).
-    Same arguments and return as transformers' attention functions."""
+    """transformers' SDPA attention with the query heads that share a K/V head stacked along the queries, so K and V are
+    read as the cache holds them, not repeated per head (``repeat_kv``: 1.08 GB of K alone at E2B's 131,328
+    positions). Same arguments and return."""
     if kwargs.get("softcap") is not None:
         raise ValueError("grouped attention has no softcap, as SDPA's has none: use eager attention")
     batch, heads, queries, dim = query.shape
@@ -41,39 +33,33 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.reshape(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
 
 
-# Registered the way transformers documents for a custom attention: the function, and SDPA's
-# boolean masks for it (a name without a mask function of its own gets none).
+# As transformers documents for a custom attention, with SDPA's boolean masks (a new name gets no mask otherwise).
 AttentionInterface.register(GROUPED, grouped_attention)
 AttentionMaskInterface.register(GROUPED, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def group_query_heads(model) -> str:
-    """Make ``model``'s attention ``grouped_attention`` (the same values as transformers' SDPA
-    attention, without the copies of K and V per query head), in place. Returns the attention
-    implementation it had, to set back with ``model.set_attn_implementation``."""
+    """Switch ``model`` to ``grouped_attention`` in place; returns the implementation it had, to set back."""
     before = model.config._attn_implementation
     model.set_attn_implementation(GROUPED)
     return before
 
 
 def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's absolute positions [C] and which are not padding [C], passed from the model's
-    forward through the attention kwargs to every layer: inputs of the step, not cache state."""
+    """The chunk's absolute positions [C] and which are real [C], from the forward's kwargs: inputs, not cache state."""
     kwargs = kwargs.get("kwargs", kwargs)
     if "ring_positions" not in kwargs:
         raise ValueError(
             "a RingCache needs each forward's absolute positions and the ring's masks, which transformers' "
             "generate does not give: call model.generate(..., cache=cache) inside "
-            "`with helpers.ring.inside_generate(model):`, or use helpers.ring.RingDecoder"
+            "`with helpers.course.measure.inside_generate(model):`, or use helpers.ring.RingDecoder"
         )
     return kwargs["ring_positions"], kwargs["ring_valid"]
 
 
 class RingLayer(StaticLayer):
-    """A sliding-window layer's K/V in a ring of ``window`` slots (a ``StaticLayer`` of that
-    length). ``update`` returns the ring as it was followed by the chunk (window + C keys: all
-    a query of the chunk may need), then writes the chunk's real positions into their slots;
-    padding is never written."""
+    """A sliding layer's K/V in a ring of ``window`` slots: ``update`` returns the ring followed by the chunk, then
+    writes the chunk's real positions into their slots."""
 
     is_sliding = True
 
@@ -98,11 +84,20 @@ class RingLayer(StaticLayer):
         return self.window + query_length, 0
 
 
+def ring_masks(slots: torch.Tensor, positions: torch.Tensor, window: int, max_len: int):
+    """Which keys each query at ``positions`` [C] sees, by absolute position: a sliding layer's keys are the ring
+    (``slots``: each slot's position, -1 empty) then the chunk (q - window < k <= q), a full layer's 0..max_len-1."""
+    q = positions[:, None]
+    ring = torch.cat([slots, positions])[None, :]
+    sliding = (ring <= q) & (ring > q - window) & (ring != EMPTY)
+    # in int32: a [chunk, max_len] comparison, 64-bit work a TPU emulates in pairs otherwise
+    full = torch.arange(max_len, dtype=torch.int32, device=q.device)[None, :] <= q.to(torch.int32)
+    return sliding, full
+
+
 class FullLayer(StaticLayer):
-    """A full-attention layer's K/V for every position up to the maximum context, written at
-    the chunk's absolute positions; padding is never written. The padded last chunk may run
-    past ``max_len``: those positions wrap onto the first slots (mod ``max_len``), where the
-    slot's own value is written back, so ``max_len`` need not be a multiple of the chunk."""
+    """A full layer's K/V at the chunk's absolute positions; the padded last chunk's positions past ``max_len`` wrap
+    onto the first slots and write their own values back."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         positions, valid = _chunk(kwargs)
@@ -114,19 +109,9 @@ class FullLayer(StaticLayer):
 
 
 class RingCache(Cache):
-    """The model's cache through ``past_key_values``/``cache``: ring layers for sliding
-    attention, full layers for full attention, nothing for KV-sharing layers; all allocated now.
-
-    Args: ``model``, a Gemma 4 text model on its device (its dtype is the cache's);
-    ``max_len``, the positions a full layer holds (any size at least ``chunk_size``);
-    ``chunk_size``, the tokens per forward, 1..``sliding_window``. Sliding layers hold K and V
-    of shape [1, kv_heads, window, head_dim], full layers [1, kv_heads, max_len, head_dim];
-    ``slot_positions`` [window] int64 is the absolute position in each ring slot (-1: empty).
-
-    Per chunk: ``masks(positions)`` for the model's ``attention_mask``, the forward with
-    ``ring_positions`` and ``ring_valid``, then ``commit(positions, valid)`` records which
-    position each ring slot now holds. Inside ``generate_on_ring``, hooks on the model do these
-    from ``generate``'s own inputs; its prefill may be any length up to ``max_len``."""
+    """The model's cache, allocated now: ring layers, full layers, nothing for KV-sharing layers; ``slot_positions``,
+    each ring slot's position (-1: empty). Per chunk: ``masks``, the forward with ``ring_positions`` and
+    ``ring_valid``, then ``commit``."""
 
     def __init__(self, model, max_len: int, chunk_size: int):
         config = model.config.get_text_config()
@@ -160,14 +145,7 @@ class RingCache(Cache):
         self.slot_positions.fill_(EMPTY)
 
     def masks(self, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Which keys each query of the chunk sees, by absolute position: a sliding layer's
-        keys are its ring then the chunk (q - window < k <= q; never-written slots are out), a
-        full layer's keys are positions 0..max_len-1 (k <= q)."""
-        q = positions[:, None]
-        ring = torch.cat([self.slot_positions, positions])[None, :]
-        sliding = (ring <= q) & (ring > q - self.window) & (ring != EMPTY)
-        # in int32: a [chunk, max_len] comparison, 64-bit work a TPU emulates in pairs otherwise
-        full = torch.arange(self.max_len, dtype=torch.int32, device=q.device)[None, :] <= q.to(torch.int32)
+        sliding, full = ring_masks(self.slot_positions, positions, self.window, self.max_len)
         return {"sliding_attention": self._as_mask(sliding), "full_attention": self._as_mask(full)}
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
@@ -185,63 +163,10 @@ class RingCache(Cache):
         self.slot_positions.index_copy_(0, slots, kept)
 
 
-@contextlib.contextmanager
-def inside_generate(model):
-    """Inside the block, transformers' own ``model.generate(ids, cache=RingCache(...), ...)``
-    runs on the ring with any generation config (greedy or sampled, a streamer, stop strings):
-    hooks on the text model give each forward called with a ``RingCache`` the ring's masks and
-    absolute positions, and record after it which position each ring slot holds. By hand:
-    ``generate`` builds masks that assume keys at positions 0..n, not a ring. The hooks are
-    removed when the block ends."""
-
-    def before(module, args, kwargs):
-        cache = kwargs.get("cache")
-        if not isinstance(cache, RingCache) or "ring_positions" in kwargs:
-            return None
-        inputs = kwargs.get("input_ids")
-        length = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = (torch.arange(length) + cache.get_seq_length()).to(cache.slot_positions.device)[None]
-        positions = position_ids[0]
-        if positions.shape[0] > cache.max_len:
-            raise ValueError(f"a {positions.shape[0]}-token forward exceeds the ring cache's {cache.max_len} positions")
-        valid = torch.ones_like(positions, dtype=torch.bool)
-        cache.pending = positions, valid  # committed by the forward hook, after every layer has read the ring
-        kwargs |= {"position_ids": position_ids, "attention_mask": cache.masks(positions)}
-        return args, kwargs | {"ring_positions": positions, "ring_valid": valid}
-
-    def after(module, args, kwargs, output):
-        cache = kwargs.get("cache")
-        if isinstance(cache, RingCache) and getattr(cache, "pending", None) is not None:
-            cache.commit(*cache.pending)
-            cache.pending = None
-
-    text_model = model.get_decoder()
-    handles = [
-        text_model.register_forward_pre_hook(before, with_kwargs=True),
-        text_model.register_forward_hook(after, with_kwargs=True),
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 class RingDecoder(Decoder):
-    """Notebook 04's decoder on a ring cache: one compiled decode step for every position, and
-    one compiled prefill chunk of ``chunk_size`` tokens for prompts of any length.
-
-    Args as ``Decoder``'s, plus ``chunk_size`` (default: the sliding window) and ``buckets``,
-    shorter lengths the full layers' buffers may take on the way to ``max_len``. ``max_len``
-    may be any size (131,328 for the source's headline context). A static shape reads its whole
-    buffer every step; with buckets a step runs on the smallest one that holds the context, and
-    moving up copies the cache once into the next: one compiled step (and prefill chunk) per
-    bucket, each reading only its own buffer. Same calls and shapes as ``Decoder``;
-    ``forward_chunk(tokens [1, C], positions [1, C], valid [C] bool)`` returns the logits
-    [1, C, vocab] and records the chunk's real positions in the ring. ``at``: the positions the
-    cache holds, counted on the host."""
+    """Notebook 04's decoder on a ring: one compiled step for every position, one compiled prefill chunk for prompts of
+    any length. ``buckets``: shorter full-layer lengths, each with its own compiled step, a step reading the smallest
+    that holds the context. ``at``: positions held."""
 
     def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, buckets=(), **compile_options):
         self.chunk_size = chunk_size or model.config.get_text_config().sliding_window
@@ -261,9 +186,8 @@ class RingDecoder(Decoder):
         return RingCache(model, self.buckets[0], self.chunk_size)  # the smallest bucket first
 
     def fit(self, end: int) -> None:
-        """Make the cache the smallest bucket that holds positions 0..``end``-1: a larger one is
-        allocated and what the cache holds copied into it once (the ring's slots whole, the full
-        layers' positions so far); a new prompt from position 0 may move back down, copying nothing."""
+        """Make the cache the smallest bucket holding positions 0..``end``-1 (copying up once; a new prompt may move
+        back down)."""
         bucket = next(b for b in self.buckets if b >= end)
         if bucket == self.cache.max_len or (bucket < self.cache.max_len and self.at):
             return
@@ -307,21 +231,16 @@ class RingDecoder(Decoder):
         return self.pick(logits, positions[0].index_select(0, last) + 1)
 
     def chunks(self, length: int, device, offset: int = 0):
-        """(start, positions [1, C], valid [C]) for each fixed-size chunk of a ``length``-token
-        prompt whose first token goes at position ``offset``; ``start`` counts from the prompt's."""
+        """(start, positions [1, C], valid [C]) per chunk of a ``length``-token prompt put at ``offset``."""
         for start in range(0, length, self.chunk_size):
-            # made on the host, then copied: PyTorch/XLA fed a compiled chunk the first call's
-            # values for positions computed lazily on the device (measured: slots never advanced)
+            # made on the host: PyTorch/XLA fed a compiled chunk stale device-made positions (measured)
             positions = torch.arange(start, start + self.chunk_size)
             yield start, (positions + offset)[None].to(device), (positions < length).to(device)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, start: int = 0):
-        """The prompt in chunks of ``chunk_size`` tokens, the last one padded: a prompt of any
-        length compiles one program, and no attention matrix is larger than C x (window + C)
-        or C x max_len. ``start`` > 0: the tokens go on from that position, after what the
-        cache holds (a chat's next turn; nothing before it is run again). Returns the first
-        new token and its position (device tensors)."""
+        """The prompt in chunks, the last padded: one program for any length. ``start`` > 0 goes on after what the cache
+        holds."""
         length = ids.shape[1]
         if start + length > self.max_len:
             held, verb = (f"{start} positions held + ", "exceed") if start else ("", "exceeds")

@@ -1,9 +1,4 @@
-"""Every step against the memory roofline. A decode step reads every weight it uses and the KV
-cache once per token, so tok/s is bounded by bandwidth / bytes read per token. Here: the bytes
-one step reads, from the tensors as they are stored on the device; the bandwidth this device
-reads at, from a read probe (on a TPU, Google's published figure, labelled as such); and the
-columns that follow, GB/s achieved and % of that bandwidth. And K tokens per compiled call
-(``KDecoder``): one dispatch for K steps."""
+"""Every step against the memory roofline (tok/s <= bandwidth / bytes a step reads), and K tokens per compiled call."""
 
 from __future__ import annotations
 
@@ -19,16 +14,13 @@ def _tensors(module) -> dict[int, torch.Tensor]:
 
 
 def _row_bytes(table) -> int:
-    """Bytes of one row of a gathered table, bf16 (an Embedding) or 4-bit (a QTable)."""
+    """Bytes of one row of a gathered table (bf16 ``Embedding`` or 4-bit ``QTable``)."""
     return sum(t[0].numel() * t.element_size() for t in _tensors(table).values() if t.dim() == 2)
 
 
 def step_bytes(model, cache=None) -> int:
-    """Bytes one decode step reads, from the tensors as stored on the device: every parameter
-    and buffer once (tied ones once; the main table whole, as the tied head multiplies by it),
-    except the per-layer table, which is only gathered from: one row of it; plus the K and V
-    each attention layer reads (``decode.cache_read_bytes``: a buffer shared by several layers
-    is read by each)."""
+    """Bytes one decode step reads as stored: every tensor once, one row of the per-layer table, the K and V each layer
+    reads."""
     table = model.model.embed_tokens_per_layer
     every = _tensors(model)
     for key in _tensors(table):
@@ -48,9 +40,8 @@ def columns(bytes_per_token: int, tok_s: float, bandwidth: float) -> dict:
 
 
 class KDecoder(Decoder):
-    """Notebook 04's decoder making ``tokens_per_call`` K tokens per compiled call: K steps
-    unrolled into one program, each token fed to the next on the device. ``call`` returns
-    their tokens [1, K] and the last token and position."""
+    """Notebook 04's decoder making K tokens per compiled call: K steps unrolled in one program, each token fed to the
+    next."""
 
     def __init__(self, model, backend: Backend, max_len: int, tokens_per_call: int, **compile_options):
         if tokens_per_call < 1:

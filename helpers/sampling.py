@@ -1,8 +1,5 @@
-"""Sampling inside a compiled decode step: temperature, top-k and top-p with the names and
-semantics of transformers' ``GenerationConfig`` (its own logits warpers, in ``generate``'s
-order), then one draw per token by the Gumbel-max trick from noise keyed on (seed, position):
-no generator state in the compiled program, no host round trip, and the same tokens whatever
-the tokens per call. ``Sampled`` gives a decoder the sampler and stop strings."""
+"""Sampling inside a compiled decode step: transformers' warpers in ``generate``'s order, then a Gumbel-max draw from
+noise keyed on (seed, position): no generator state, no host round trip."""
 
 from __future__ import annotations
 
@@ -19,29 +16,20 @@ from .decode import Decoder
 from .generate import Stops, stop_strings_criteria
 from .ring import RingDecoder
 
-# the sampling settings the compiled step runs; generate's other warpers are refused, not ignored
-UNSUPPORTED = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")
+UNSUPPORTED = ("min_p", "top_h", "typical_p", "epsilon_cutoff", "eta_cutoff")  # warpers refused, not ignored
 
 
 def sampling_config(**settings) -> GenerationConfig:
-    """A ``GenerationConfig`` with ``do_sample=True`` and the given settings (temperature,
-    top_k, top_p, ...), validated by transformers."""
+    """A ``GenerationConfig`` with ``do_sample=True`` and ``settings``, validated by transformers."""
     config = GenerationConfig(do_sample=True, **settings)
     config.validate(strict=True)
     return config
 
 
 class Sampler:
-    """Chooses the next token from logits on the device.
-
-    Args: ``config``, a ``GenerationConfig`` (None or ``do_sample=False``: greedy). With
-    ``do_sample=True`` its ``temperature``, ``top_k`` and ``top_p`` are applied as ``generate``
-    applies them (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
-    ``TopPLogitsWarper``, in that order; a 1.0 or a 0/None is skipped, as there).
-
-    ``sampler(logits [N, vocab], positions [N] int64, seed [1] int64)`` returns tokens [N, 1]:
-    the argmax, or one draw from the warped distribution for each row, where row i's noise is a
-    fixed function of ``seed`` and ``positions[i]`` (the position the new token will take)."""
+    """The next token from logits on the device: the argmax, or with ``config.do_sample`` its temperature, top-k and
+    top-p applied as ``generate`` applies them and one Gumbel-max draw per row, its noise a function of ``seed`` and
+    the row's position."""
 
     def __init__(self, config: GenerationConfig | None = None):
         self.do_sample = bool(config is not None and config.do_sample)
@@ -63,8 +51,7 @@ class Sampler:
         return f"Sampler(do_sample={self.do_sample}, warpers: {warpers})"
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token);
-        their softmax is the distribution one draw follows."""
+        """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token)."""
         return self.warpers(None, logits.float())
 
     def __call__(self, logits: torch.Tensor, positions: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
@@ -75,15 +62,13 @@ class Sampler:
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``x >> k`` on int32 words read as unsigned (1 <= k <= 31). The sign bit is cleared before
-    the shift and put back after it: PyTorch/XLA's ``>>`` of a negative int32 rounds like a
-    division (notebook 02), and a TPU has no 64-bit integers to widen into."""
+    """``x >> k`` on int32 words read as unsigned: PyTorch/XLA's ``>>`` of a negative int32 rounds like a division, and
+    a TPU has no 64-bit integers to widen into."""
     return ((x & 0x7FFFFFFF) >> k) | ((x < 0).to(torch.int32) << (31 - k))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) on int32 tensors: products wrap mod 2**32,
-    so the bits are those of the unsigned hash."""
+    """Wellons' lowbias32 hash on int32 tensors (products wrap mod 2**32: the unsigned hash's bits)."""
     x = x ^ _shr(x, 16)
     x = x * 0x7FEB352D
     x = x ^ _shr(x, 15)
@@ -92,10 +77,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id), in 32-bit
-    integers (``seed`` and ``positions`` are read mod 2**32). Written by hand: torch's
-    generators keep state a compiled program cannot carry between calls, and integer arithmetic
-    gives the same noise on every backend."""
+    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id) in 32-bit integers: torch's generators
+    keep state a compiled program cannot carry."""
     key = _mix32(_mix32(seed.view(1, 1).to(torch.int32)) ^ positions.view(-1, 1).to(torch.int32))
     bits = _mix32(key ^ torch.arange(vocab, dtype=torch.int32, device=positions.device).view(1, -1))
     uniform = (_shr(bits, 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
@@ -103,10 +86,8 @@ def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Ten
 
 
 class Sampled:
-    """What notebook 08 adds to a decoder (first among a decoder class's bases): its compiled step
-    samples with ``Sampler(sampling)``, its noise keyed on ``generate``'s ``seed`` (a device
-    tensor, so a new seed is a new input, not a recompile), and a run stops at ``stop_strings``
-    too (with the ``tokenizer``, as transformers' ``generate``)."""
+    """Notebook 08's additions to a decoder (first among its bases): the step samples with ``Sampler(sampling)`` keyed
+    on ``generate``'s ``seed`` (a device tensor: no recompile), and ``stop_strings`` stop a run."""
 
     def __init__(self, *args, sampling: GenerationConfig | None = None, **kwargs):
         self.sampler, self.stop_strings, self.tokenizer = Sampler(sampling), None, None

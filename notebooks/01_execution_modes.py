@@ -85,7 +85,7 @@ helpers.install_missing()
 
 # %%
 backend = helpers.get_backend()  # override: helpers.get_backend("cpu") or HELPERS_BACKEND=xla
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 print("modes here:", ", ".join(backend.modes))
 
 # %% [markdown]

@@ -105,7 +105,7 @@ helpers.install_missing()
 backend = helpers.get_backend()
 checkpoint = helpers.choose_checkpoint(backend)  # override: HELPERS_MODEL=<repo id | folder | tiny>
 print(checkpoint)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 
 # %% [markdown]
 # ## Tensor names: a multimodal checkpoint, a text model
@@ -120,7 +120,7 @@ print(backend.describe())
 # %%
 from helpers.course.tables import fmt_bytes, table
 
-print(table(helpers.checkpoint.name_map(checkpoint)))
+print(table(helpers.course.audits.name_map(checkpoint.path)))
 print("mapping given to from_pretrained(key_mapping=...):", helpers.packed.KEY_MAPPING)
 
 # %% [markdown]
@@ -171,12 +171,12 @@ print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.course.e2b.f
 device_before = backend.memory()
 config = helpers.checkpoint.text_config(helpers.checkpoint.read_config(checkpoint.path))
 print(helpers.course.hub.preflight(config, backend, dequantize=False))  # this checkpoint on this device
-model, load_s = helpers.checkpoint.load(checkpoint, backend)
+model, load_s = helpers.checkpoint.load(checkpoint.path, backend)
 print(
     f"loaded in {load_s:.2f} s onto {backend.device}; lm_head tied to embed_tokens:",
     model.lm_head.weight is model.model.embed_tokens.weight,
 )
-after_load = helpers.checkpoint.memory_report(model)
+after_load = helpers.course.audits.memory_report(model)
 print(table(after_load))
 print(table(helpers.checkpoint.compression_report(model)))
 assert any(r["kind"] == "packed int4" for r in after_load)
@@ -190,13 +190,13 @@ assert any(r["kind"] == "packed int4" for r in after_load)
 # %%
 import torch
 
-tokenizer = helpers.checkpoint.load_tokenizer(checkpoint)
+tokenizer = helpers.checkpoint.load_tokenizer(checkpoint.path)
 ids = helpers.checkpoint.chat_ids(tokenizer, backend.device)  # the series' chat prompt, BOS in front
 new_tokens = backend.generation_length  # 32; 8 on xla, where generate compiles every step
 with torch.no_grad():
     model(ids)
 backend.sync()
-after_forward = helpers.checkpoint.memory_report(model)
+after_forward = helpers.course.audits.memory_report(model)
 print(table(after_forward))
 print(table(helpers.checkpoint.compression_report(model)))
 if device_before is not None:
@@ -229,8 +229,8 @@ del model
 
 # %%
 print(helpers.course.hub.preflight(config, backend, dequantize=True))
-model, load_s = helpers.checkpoint.load(checkpoint, backend, dequantize=True)
-dense = helpers.checkpoint.memory_report(model)
+model, load_s = helpers.checkpoint.load(checkpoint.path, backend, dequantize=True)
+dense = helpers.course.audits.memory_report(model)
 print(f"loaded in {load_s:.2f} s")
 print(table(dense))
 report = {r["what"]: r["count"] for r in helpers.checkpoint.compression_report(model)}

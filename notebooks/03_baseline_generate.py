@@ -81,7 +81,7 @@ helpers.install_missing()
 # unpacking on the device is not exact (PyTorch/XLA), then `dequantize=True`. The tiny twin
 # runs in float32: later notebooks compare tokens of differently ordered sums on prompts it
 # never learned, where bf16 would round each program differently
-# (`helpers.checkpoint.series_dtype` says more). A TPU runs float32
+# (`helpers.course.hub.series_dtype` says more). A TPU runs float32
 # matmuls in bf16 unless told otherwise, so there `load_for_series` calls
 # `backend.set_float32_matmuls_exact()` for the twin (torch's global float32 matmul precision
 # set to "highest", a process-wide setting, named as such): a TPU-only line that no
@@ -91,7 +91,7 @@ helpers.install_missing()
 backend = helpers.get_backend()
 checkpoint, model, tokenizer, ids = helpers.course.series.load_for_series(backend)
 print(checkpoint)
-print(backend.describe())
+print(helpers.course.hub.describe(backend))
 new_tokens = backend.generation_length  # 32; 8 on xla
 timed_tokens = backend.timed_length  # per timed run: 128, enough for a steady rate; 8 on xla
 print(f"prompt: {ids.shape[1]} tokens, BOS first: {bool(ids[0, 0] == tokenizer.bos_token_id)}")

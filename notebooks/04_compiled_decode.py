@@ -171,12 +171,8 @@ from helpers.generate import Stops
 
 
 class Decoder:
-    """The model on a static cache: a compiled prefill per bucket and one compiled decode step.
-
-    ``model``: a Gemma 4 text model stripped of compressed-tensors' wrappers, on ``backend``'s
-    device; ``max_len``: the positions the cache holds; ``compile_options`` go to ``torch.compile``.
-    ``decode_step(token, position)`` takes and returns int64 device tensors [1, 1]: the next
-    token and ``position + 1``, chosen on the device by ``pick`` (greedy; notebook 08 samples)."""
+    """The model on a static cache: a compiled prefill per bucket and one compiled decode step, ``token, position ->
+    next token, position + 1``, all int64 device tensors [1, 1], the token chosen by ``pick``."""
 
     def __init__(self, model, backend: Backend, max_len: int, **compile_options):
         self.model, self.backend, self.max_len = model, backend, max_len
@@ -199,8 +195,7 @@ class Decoder:
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        # the head on the last real position only: at E2B's 262,144 tokens a 4096-token bucket's
-        # logits would be 2.1 GB of bf16
+        # the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
         logits = self.model(
             input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
         ).logits
@@ -215,8 +210,8 @@ class Decoder:
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, start: int = 0):
-        """The prompt, right-padded to its bucket (causal attention keeps the padding out of every
-        real position; the cache is rewound over it); returns the first new token and its position."""
+        """The prompt right-padded to its bucket (causal attention keeps padding out; the cache is rewound over it): the
+        first new token and its position."""
         if start:
             raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
         length = ids.shape[1]
@@ -229,8 +224,8 @@ class Decoder:
 
     @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
     def call(self, token, position):
-        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the
-        last token and its position, all on the device."""
+        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the last token and
+        position."""
         token, position = self.decode_step(token, position)
         return token, token, position
 
@@ -249,10 +244,8 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
-        """At most ``new_tokens`` tokens after ``ids`` [1, L] (``start``: after that many positions
-        already in the cache), each fed straight back on the device and read to the host every
-        ``readback_every`` tokens, where ``stops`` cuts them (``stop_ids=()``: exactly
-        ``new_tokens``). A transformers ``streamer`` gets the prompt, then each chunk."""
+        """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
+        every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
         self.check_room(ids.shape[1], new_tokens, start)
         stops = self.stops(ids[0].tolist(), stop_ids)
         if streamer is not None:
@@ -303,7 +296,7 @@ assert verdict and first.graphs == 2
 
 long_run = MAX_LEN - decoder.bucket(ids.shape[1])
 other = helpers.checkpoint.chat_ids(tokenizer, backend.device, prompt="Why do shapes matter?")
-with backend.compile_counter() as later, helpers.decode.no_recompiles():
+with backend.compile_counter() as later, helpers.course.measure.no_recompiles():
     decoder.generate(ids, long_run, stop_ids=())  # exactly long_run tokens, past the end of turn
     decoder.generate(other, 4)
 print(

@@ -118,7 +118,7 @@ ple = e2b["embed_tokens_per_layer"]
 saved = ple["bf16_bytes"] - ple["int4_bytes"]
 saved_exact = ple["bf16_bytes"] - ple["int4_exact_bytes"]
 row_words = helpers.packed.table_row_words(ple["shape"][1])
-padding = ple["int4_exact_bytes"] - helpers.packed.int4_bytes(
+padding = ple["int4_exact_bytes"] - helpers.course.e2b.int4_bytes(
     ple["bf16_bytes"] // 2, scale_bytes=helpers.packed.TABLE_SCALE_BYTES
 )
 print(
@@ -187,12 +187,9 @@ from helpers.packed import GROUP_SIZE  # 32 values per scale, the checkpoint's g
 
 
 def unpack_rows(packed: torch.Tensor) -> torch.Tensor:
-    """int4 codes from int32 words, eight per word, low nibble first: compressed-tensors'
-    `pack-quantized` layout. Written out because compressed-tensors' own unpack returns wrong
-    codes on PyTorch/XLA (notebook 02): there `>>` of a negative int32 rounds like a division
-    (measured: codes off by one in words with the top bit set). So only non-negative words are
-    shifted: the sign bit is cleared first and given back as the top nibble's high bit. All in
-    int32: a TPU has no 64-bit integers, XLA would emulate every op over the table in pairs."""
+    """int4 codes from int32 words, eight a word, low nibble first (compressed-tensors' `pack-quantized`). Written out:
+    on PyTorch/XLA compressed-tensors' unpack is wrong (``>>`` of a negative int32 rounds like a division), so the
+    sign bit is cleared before shifting and put back as the top nibble's. All int32: a TPU has no 64-bit integers."""
     return code_planes(packed).transpose(-1, -2).flatten(-2)
 
 
@@ -211,8 +208,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 
 
 def grid_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """codes x scales (broadcast to the codes) rounded to bf16, as the QAT grid's values are (and
-    compressed-tensors' bf16 dequantization gives), then in ``dtype``."""
+    """codes x scales rounded to bf16, as the QAT grid's values are, then in ``dtype``."""
     return (codes.float() * scales.float()).to(torch.bfloat16).to(dtype)
 
 
@@ -236,7 +232,7 @@ helpers.show(helpers.qtable.QTable.rows)
 # %%
 old_table = model.model.embed_tokens_per_layer
 before = backend.memory()
-report = helpers.qtable.keep_table_in_4bit(model, checkpoint)
+report = helpers.qtable.keep_table_in_4bit(model, checkpoint.path)
 qtable = model.model.embed_tokens_per_layer
 print(report)
 if report["exact grid"]:
@@ -268,7 +264,7 @@ after = backend.memory()
 print(f"table: {fmt_bytes(report['bytes before'])} -> {fmt_bytes(report['bytes after'])} on {backend.device}")
 if before is not None:
     print("device memory in use:", fmt_bytes(before["in_use"]), "->", fmt_bytes(after["in_use"]))
-print(table(helpers.checkpoint.memory_report(model)))
+print(table(helpers.course.audits.memory_report(model)))
 
 # %%
 fig = helpers.course.charts.stacked_bars(
@@ -288,7 +284,7 @@ with backend.compile_counter() as compiled:
 verdict = series.same_tokens(tokens)
 print(verdict, "| graphs compiled:", compiled.graphs)
 assert verdict and compiled.graphs == 2
-with backend.compile_counter() as again, helpers.decode.no_recompiles():
+with backend.compile_counter() as again, helpers.course.measure.no_recompiles():
     decoder.generate(ids, new_tokens)
 assert again.graphs == 0
 
@@ -374,4 +370,4 @@ print(f"measured here: {rate / rate_bf16_table:.2f}x")
 # bf16: a bf16 step would not give them back exactly, and the tokens are the lesson's test.
 values = ple["shape"][0] * ple["shape"][1]
 for scale_bytes in (2, 4):
-    print(f"{scale_bytes}-byte scales: {fmt_bytes(helpers.packed.int4_bytes(values, scale_bytes=scale_bytes))}")
+    print(f"{scale_bytes}-byte scales: {fmt_bytes(helpers.course.e2b.int4_bytes(values, scale_bytes=scale_bytes))}")

@@ -170,23 +170,20 @@ from transformers.cache_utils import StaticLayer
 
 
 def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk's absolute positions [C] and which are not padding [C], passed from the model's
-    forward through the attention kwargs to every layer: inputs of the step, not cache state."""
+    """The chunk's absolute positions [C] and which are real [C], from the forward's kwargs: inputs, not cache state."""
     kwargs = kwargs.get("kwargs", kwargs)
     if "ring_positions" not in kwargs:
         raise ValueError(
             "a RingCache needs each forward's absolute positions and the ring's masks, which transformers' "
             "generate does not give: call model.generate(..., cache=cache) inside "
-            "`with helpers.ring.inside_generate(model):`, or use helpers.ring.RingDecoder"
+            "`with helpers.course.measure.inside_generate(model):`, or use helpers.ring.RingDecoder"
         )
     return kwargs["ring_positions"], kwargs["ring_valid"]
 
 
 class RingLayer(StaticLayer):
-    """A sliding-window layer's K/V in a ring of ``window`` slots (a ``StaticLayer`` of that
-    length). ``update`` returns the ring as it was followed by the chunk (window + C keys: all
-    a query of the chunk may need), then writes the chunk's real positions into their slots;
-    padding is never written."""
+    """A sliding layer's K/V in a ring of ``window`` slots: ``update`` returns the ring followed by the chunk, then
+    writes the chunk's real positions into their slots."""
 
     is_sliding = True
 
@@ -230,12 +227,43 @@ for chunk, valid in ((slice(0, 3), [True] * 3), (slice(3, 6), [True, True, False
 assert ring_layer.keys.view(-1).tolist() == [4.0, 1.0, 2.0, 3.0]  # 3 -> slot 3, 4 -> slot 0; 5 is padding
 
 # %% [markdown]
-# The masks come from the absolute position each slot holds. The decoder's prefill goes through
-# the prompt in fixed chunks, from any `start` position the cache already holds (the chat of
-# notebook 08 goes on from there).
+# The masks come from the absolute position each slot holds, never from where a key sits in the
+# buffer: a query sees a ring slot if its position is written and within the window behind it,
+# and the chunk's own keys causally. Written here (kept the same in `helpers.ring`, where
+# `RingCache.masks` calls it). Then the ring above, its slots holding positions 4, 1, 2, 3, and
+# a chunk at positions 6 and 7: each row is a query, each column a key (the four slots, then the
+# chunk), with a window of 4.
 
 # %%
-helpers.show(helpers.ring.RingCache.masks, helpers.ring.RingDecoder.prefill)
+# @save helpers.ring
+from helpers.ring import EMPTY
+
+
+def ring_masks(slots: torch.Tensor, positions: torch.Tensor, window: int, max_len: int):
+    """Which keys each query at ``positions`` [C] sees, by absolute position: a sliding layer's keys are the ring
+    (``slots``: each slot's position, -1 empty) then the chunk (q - window < k <= q), a full layer's 0..max_len-1."""
+    q = positions[:, None]
+    ring = torch.cat([slots, positions])[None, :]
+    sliding = (ring <= q) & (ring > q - window) & (ring != EMPTY)
+    # in int32: a [chunk, max_len] comparison, 64-bit work a TPU emulates in pairs otherwise
+    full = torch.arange(max_len, dtype=torch.int32, device=q.device)[None, :] <= q.to(torch.int32)
+    return sliding, full
+
+
+# %%
+sliding, full = ring_masks(torch.tensor([4, 1, 2, 3]), torch.tensor([6, 7]), window=4, max_len=8)
+print("keys by position:", [4, 1, 2, 3, 6, 7])
+for q, row in zip((6, 7), sliding.int().tolist()):
+    print(f"query {q} sees {row}")
+assert sliding.int().tolist() == [[1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 1, 1]]  # 3..6 for 6, 4..7 for 7
+assert full.int().sum(-1).tolist() == [7, 8]  # a full layer: positions 0..6, 0..7
+
+# %% [markdown]
+# The decoder's prefill goes through the prompt in fixed chunks, from any `start` position the
+# cache already holds (the chat of notebook 08 goes on from there).
+
+# %%
+helpers.show(helpers.ring.RingDecoder.prefill)
 
 # %% [markdown]
 # ## Attention that reads the one K/V head as the cache holds it
@@ -256,12 +284,9 @@ helpers.show(helpers.ring.RingCache.masks, helpers.ring.RingDecoder.prefill)
 # %% tags=["grouped-attention"]
 # @save helpers.ring
 def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' SDPA attention with the query heads that share a K/V head stacked along the
-    queries ([B, H, S, D] -> [B, H_kv, H / H_kv * S, D]), so K and V are read as the cache holds
-    them. transformers' own SDPA attention repeats them for every query head (``repeat_kv``)
-    wherever a mask is given and in every compiled graph: a copy 8x a full layer's K and V at
-    E2B's one K/V head, 1.08 GB of K alone at 131,328 positions (``e2b.full_attention_bytes``).
-    Same arguments and return as transformers' attention functions."""
+    """transformers' SDPA attention with the query heads that share a K/V head stacked along the queries, so K and V are
+    read as the cache holds them, not repeated per head (``repeat_kv``: 1.08 GB of K alone at E2B's 131,328
+    positions). Same arguments and return."""
     if kwargs.get("softcap") is not None:
         raise ValueError("grouped attention has no softcap, as SDPA's has none: use eager attention")
     batch, heads, queries, dim = query.shape
@@ -347,9 +372,9 @@ assert verdict and compiled.graphs == 2
 # %%
 windows, checked = (20, new_tokens) if checkpoint.tiny else (3, 2)
 long_ids = ids.repeat(1, 1 + windows * W // ids.shape[1])[:, : windows * W + 5]
-with backend.compile_counter() as again, helpers.decode.no_recompiles():
+with backend.compile_counter() as again, helpers.course.measure.no_recompiles():
     long_tokens = decoder.generate(long_ids, checked, stop_ids=())
-reference_model = helpers.course.verdict.reference_model(checkpoint, helpers.checkpoint.series_dtype(checkpoint))
+reference_model = helpers.course.verdict.reference_model(checkpoint, helpers.course.hub.series_dtype(checkpoint))
 seq = long_ids.cpu()
 with torch.no_grad():
     for _ in range(checked):
@@ -387,7 +412,7 @@ far_ids = ids.repeat(1, 1 + far // ids.shape[1])[:, :far]
 with backend.compile_counter() as big_compiled:
     big.generate(ids, 2)  # a new max_len is a new program: compiled here, not inside the timing
 repeats = 3 if checkpoint.tiny else 1  # each run prefills the whole prompt again: on E2B, 196 chunks
-with backend.compile_counter() as big_timed, helpers.decode.no_recompiles():
+with backend.compile_counter() as big_timed, helpers.course.measure.no_recompiles():
     run = helpers.course.measure.timed_generate(big, far_ids, timed_tokens, readback_every=16, repeats=repeats)
 print(
     f"compiled first ({big_compiled.graphs} graphs); prompt of {far:,} tokens in {-(-far // big.chunk_size)} chunks:"

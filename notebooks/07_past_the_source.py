@@ -119,8 +119,8 @@ print(
 best = figures[-1]
 e2b_model = helpers.course.e2b.meta_model(helpers.course.e2b.real_config())
 padding = sum(  # the two tables' rows padded to 128 words, beyond their codes and float32 steps
-    helpers.packed.table_bytes(*t.shape)
-    - helpers.packed.int4_bytes(t.numel(), scale_bytes=helpers.packed.TABLE_SCALE_BYTES)
+    helpers.course.e2b.table_bytes(*t.shape)
+    - helpers.course.e2b.int4_bytes(t.numel(), scale_bytes=helpers.packed.TABLE_SCALE_BYTES)
     for t in (e2b_model.model.embed_tokens.weight, e2b_model.model.embed_tokens_per_layer.weight)
 )
 print(f"best variant: weights {fmt_bytes(best['weights_on_device'])}, of which padding {fmt_bytes(padding)}")
@@ -157,11 +157,11 @@ fig = helpers.course.charts.ceiling_chart(
 step05 = figures[2]  # notebook 05's step: bf16 linears, 4-bit per-layer table
 flops = step05["flops_per_token"]
 intensity = flops / step05["bytes_per_token"]
-ridge = helpers.backend.V5E_BF16_FLOPS / helpers.backend.V5E_BYTES_PER_S
+ridge = helpers.course.sources.V5E_BF16_FLOPS / helpers.backend.V5E_BYTES_PER_S
 print(
     f"one E2B step: {flops / 1e9:.2f} GFLOP over {fmt_bytes(step05['bytes_per_token'])} read ="
     f" {intensity:.2f} FLOP/byte; v5e ridge point {ridge:.0f} FLOP/byte. At the v5e's peaks the step's"
-    f" arithmetic takes {flops / helpers.backend.V5E_BF16_FLOPS * 1e3:.3f} ms, its reads"
+    f" arithmetic takes {flops / helpers.course.sources.V5E_BF16_FLOPS * 1e3:.3f} ms, its reads"
     f" {step05['bytes_per_token'] / helpers.backend.V5E_BYTES_PER_S * 1e3:.2f} ms"
 )
 assert intensity < 2 and ridge > 200
@@ -205,9 +205,8 @@ from helpers.decode import Decoder
 
 
 class KDecoder(Decoder):
-    """Notebook 04's decoder making ``tokens_per_call`` K tokens per compiled call: K steps
-    unrolled into one program, each token fed to the next on the device. ``call`` returns
-    their tokens [1, K] and the last token and position."""
+    """Notebook 04's decoder making K tokens per compiled call: K steps unrolled in one program, each token fed to the
+    next."""
 
     def __init__(self, model, backend: Backend, max_len: int, tokens_per_call: int, **compile_options):
         if tokens_per_call < 1:
@@ -254,17 +253,10 @@ from helpers.int4 import code_planes, dequantize, grid_values, unpack_rows  # no
 def packed_linear(
     x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, by_planes: bool = False
 ) -> torch.Tensor:
-    """``F.linear(x, weight)`` for the weight [out, in] that int32 words [out, in / 8] and their
-    scales [out, in / 32] hold, its values exactly the grid's (``dequantize``). As written for a
-    TPU (the default): the weight unpacked and dequantized, then a matmul, which XLA may fuse so
-    that the matrix unit reads the packed words. With ``by_planes`` (a CPU's form,
-    ``Backend.int4_by_planes``), one row of ``x`` (a decode step's) is multiplied plane by plane
-    instead: plane k holds every word's k-th code, which multiplies the inputs 8j + k, so each
-    word is read once and shifted by a constant per plane; elementwise work a TPU's vector unit
-    would do, not its matrix unit. The same products, summed in float32 in another order;
-    unpacked into columns, a CPU compiler interleaves the eight codes with a shift that varies
-    along the row and leaves the loop scalar (``benchmarks/int4_cpu.py``: five times slower at
-    E2B's widest linears)."""
+    """``F.linear(x, weight)`` for the weight that int32 words [out, in / 8] and scales [out, in / 32] hold, exactly the
+    grid's. For a TPU: dequantized, then a matmul XLA may fuse. ``by_planes`` (a CPU's form): a decode row times the
+    weight plane by plane, each word read once, shifted by a constant per plane; a CPU compiler leaves the unpacked
+    form a scalar loop (``benchmarks/int4_cpu.py``: five times slower)."""
     if not by_planes or x.shape[:-1].numel() != 1:
         return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
     out, words = packed.shape
@@ -336,7 +328,7 @@ if loops is not None:
 
 # %%
 series.drop_reference_model()
-helpers.qlinear.keep_linears_compressed(model, checkpoint, "int4-bytes")
+helpers.qlinear.keep_linears_compressed(model, checkpoint.path, "int4-bytes")
 rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 codes a byte each, {tail}", 1, loops))
 
 # %% [markdown]
@@ -344,7 +336,7 @@ rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 codes a
 
 # %%
 series.drop_reference_model()
-helpers.qlinear.keep_linears_compressed(model, checkpoint, "int4", backend.int4_by_planes)
+helpers.qlinear.keep_linears_compressed(model, checkpoint.path, "int4", backend.int4_by_planes)
 rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 linears, {tail}", 1, loops))
 
 # %% [markdown]
@@ -446,7 +438,7 @@ fig = helpers.course.charts.variant_chart(rows, f"notebook 07, {series.checkpoin
 src = helpers.course.sources
 print(f"others' figures, vLLM TPU on a v5e-1, E2B, one request (tok/s): {src.VLLM_E2B_TOK_S}")
 print(f"W8A8 over bf16 there: {src.VLLM_E2B_TOK_S['W8A8'] / src.VLLM_E2B_TOK_S['bf16']:.2f}x;", end=" ")
-v5e = helpers.backend
+v5e = helpers.course.sources
 print(f"the v5e's int8 peak {v5e.V5E_INT8_OPS / 1e12:.0f} TOPS, {v5e.V5E_INT8_OPS / v5e.V5E_BF16_FLOPS:.1f}x its bf16")
 print(f"W8A8's quality against bf16 (the suite's score, GSM8K's points): {src.W8A8_VS_BF16}")
 

@@ -98,15 +98,13 @@ MAX_LEN = 256 if checkpoint.tiny else 8192  # the chat's context: the full layer
 # %%
 # @save helpers.sampling
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """``x >> k`` on int32 words read as unsigned (1 <= k <= 31). The sign bit is cleared before
-    the shift and put back after it: PyTorch/XLA's ``>>`` of a negative int32 rounds like a
-    division (notebook 02), and a TPU has no 64-bit integers to widen into."""
+    """``x >> k`` on int32 words read as unsigned: PyTorch/XLA's ``>>`` of a negative int32 rounds like a division, and
+    a TPU has no 64-bit integers to widen into."""
     return ((x & 0x7FFFFFFF) >> k) | ((x < 0).to(torch.int32) << (31 - k))
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (Wellons' lowbias32) on int32 tensors: products wrap mod 2**32,
-    so the bits are those of the unsigned hash."""
+    """Wellons' lowbias32 hash on int32 tensors (products wrap mod 2**32: the unsigned hash's bits)."""
     x = x ^ _shr(x, 16)
     x = x * 0x7FEB352D
     x = x ^ _shr(x, 15)
@@ -115,10 +113,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id), in 32-bit
-    integers (``seed`` and ``positions`` are read mod 2**32). Written by hand: torch's
-    generators keep state a compiled program cannot carry between calls, and integer arithmetic
-    gives the same noise on every backend."""
+    """Gumbel noise [N, vocab] as a pure function of (seed, position, token id) in 32-bit integers: torch's generators
+    keep state a compiled program cannot carry."""
     key = _mix32(_mix32(seed.view(1, 1).to(torch.int32)) ^ positions.view(-1, 1).to(torch.int32))
     bits = _mix32(key ^ torch.arange(vocab, dtype=torch.int32, device=positions.device).view(1, -1))
     uniform = (_shr(bits, 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
@@ -156,16 +152,9 @@ from helpers.sampling import UNSUPPORTED  # what the compiled step refuses: min_
 
 
 class Sampler:
-    """Chooses the next token from logits on the device.
-
-    Args: ``config``, a ``GenerationConfig`` (None or ``do_sample=False``: greedy). With
-    ``do_sample=True`` its ``temperature``, ``top_k`` and ``top_p`` are applied as ``generate``
-    applies them (transformers' ``TemperatureLogitsWarper``, ``TopKLogitsWarper``,
-    ``TopPLogitsWarper``, in that order; a 1.0 or a 0/None is skipped, as there).
-
-    ``sampler(logits [N, vocab], positions [N] int64, seed [1] int64)`` returns tokens [N, 1]:
-    the argmax, or one draw from the warped distribution for each row, where row i's noise is a
-    fixed function of ``seed`` and ``positions[i]`` (the position the new token will take)."""
+    """The next token from logits on the device: the argmax, or with ``config.do_sample`` its temperature, top-k and
+    top-p applied as ``generate`` applies them and one Gumbel-max draw per row, its noise a function of ``seed`` and
+    the row's position."""
 
     def __init__(self, config: GenerationConfig | None = None):
         self.do_sample = bool(config is not None and config.do_sample)
@@ -187,8 +176,7 @@ class Sampler:
         return f"Sampler(do_sample={self.do_sample}, warpers: {warpers})"
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
-        """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token);
-        their softmax is the distribution one draw follows."""
+        """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token)."""
         return self.warpers(None, logits.float())
 
     def __call__(self, logits: torch.Tensor, positions: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
@@ -212,10 +200,8 @@ from helpers.ring import RingDecoder
 
 
 class Sampled:
-    """What notebook 08 adds to a decoder (first among a decoder class's bases): its compiled step
-    samples with ``Sampler(sampling)``, its noise keyed on ``generate``'s ``seed`` (a device
-    tensor, so a new seed is a new input, not a recompile), and a run stops at ``stop_strings``
-    too (with the ``tokenizer``, as transformers' ``generate``)."""
+    """Notebook 08's additions to a decoder (first among its bases): the step samples with ``Sampler(sampling)`` keyed
+    on ``generate``'s ``seed`` (a device tensor: no recompile), and ``stop_strings`` stop a run."""
 
     def __init__(self, *args, sampling: GenerationConfig | None = None, **kwargs):
         self.sampler, self.stop_strings, self.tokenizer = Sampler(sampling), None, None
@@ -311,7 +297,7 @@ assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tok
 #
 # ## The ring cache inside transformers' `generate`
 # **What we test:** `generate` given a `RingCache` (`cache=`), inside
-# `helpers.ring.inside_generate(model)`, gives its default cache's tokens for a prompt three
+# `helpers.course.measure.inside_generate(model)`, gives its default cache's tokens for a prompt three
 # windows long. `generate` builds masks that assume keys at positions 0..n; inside the block,
 # hooks on the model give its forward the ring's masks and positions instead, so any generation
 # config runs on the ring: greedy, sampled, streamed, stopped by a string. Outside the block a
@@ -320,7 +306,7 @@ assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tok
 # own static cache recompiled every position (notebook 04).
 
 # %%
-helpers.show(helpers.ring.inside_generate)
+helpers.show(helpers.course.measure.inside_generate)
 
 # %%
 window = model.config.get_text_config().sliding_window
@@ -337,7 +323,7 @@ assert verdict
 # sampled and streamed, with a stop string: generate's own sampling, on the ring
 streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.course.widgets.text_widget())
 torch.manual_seed(0)  # generate draws from torch's generator
-with helpers.ring.inside_generate(model):
+with helpers.course.measure.inside_generate(model):
     out = model.generate(
         long,
         cache=helpers.ring.RingCache(model, MAX_LEN, window),

@@ -117,7 +117,7 @@ def test_sync_and_memory_do_not_fail(backend):
     backend.sync()
     memory = backend.memory()
     assert memory is None or memory["peak"] >= memory["in_use"] >= 0
-    assert backend.name in backend.describe()
+    assert backend.name in helpers.course.hub.describe(backend)
 
 
 @needs_xla

@@ -47,7 +47,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
         torch.manual_seed(7)
         if name == "ring":
             cache = ring.RingCache(model, 128, window)
-            with ring.inside_generate(model):
+            with measure.inside_generate(model):
                 out = model.generate(prompt, cache=cache, streamer=streamer, **settings)
         else:
             out = model.generate(prompt, streamer=streamer, **settings)
@@ -56,7 +56,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
     assert len(set(runs["ring"][0])) > 3  # sampled at temperature 1.3, not a greedy loop
     stop = tokenizer.decode(runs["ring"][0][8:10])
     torch.manual_seed(7)
-    with ring.inside_generate(model):
+    with measure.inside_generate(model):
         cut = model.generate(
             prompt, cache=ring.RingCache(model, 128, window), stop_strings=[stop], tokenizer=tokenizer, **settings
         )
@@ -65,7 +65,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
 
 def test_a_ring_cache_given_to_generate_without_the_hooks_says_which_way_to_go(series):
     model = series.model
-    with pytest.raises(ValueError, match="inside `with helpers.ring.inside_generate\\(model\\):`"):
+    with pytest.raises(ValueError, match="inside `with helpers.course.measure.inside_generate\\(model\\):`"):
         model.generate(series.ids, cache=ring.RingCache(model, 128, model.config.sliding_window), max_new_tokens=2)
 
 

@@ -14,12 +14,12 @@ import torch
 import helpers
 from helpers import checkpoint as ck
 from helpers import generate, packed
-from helpers.course import e2b, hub, series, twin, verdict
+from helpers.course import audits, e2b, hub, series, twin, verdict
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return ck.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
+    return hub.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
 
 
 def _one_line(err):
@@ -46,7 +46,7 @@ def test_towers_map_to_nothing():
 
 
 def test_name_map_accounts_for_every_tensor(tiny):
-    rows = {r["checkpoint"]: r for r in ck.name_map(tiny)}
+    rows = {r["checkpoint"]: r for r in audits.name_map(tiny.path)}
     assert rows["model.language_model.*"]["text model"] == "model.*"
     assert "tied" in rows["lm_head.weight"]["text model"]
     assert rows["model.vision_tower.*"]["text model"].startswith("not read")
@@ -107,7 +107,7 @@ def test_a_gated_repository_without_a_token_is_one_clear_line_before_any_downloa
     monkeypatch.setattr(huggingface_hub, "auth_check", _gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(ck.CheckpointError) as err:
-        hub.fetch(ck.Checkpoint(hub.REPO_ID, None, False, "test"))
+        hub.fetch(hub.Checkpoint(hub.REPO_ID, None, False, "test"))
     assert "the Hub says google/" in _one_line(err) and "is gated" in _one_line(err) and "HF_TOKEN" in _one_line(err)
 
 
@@ -116,7 +116,7 @@ def test_a_checkpoint_is_read_from_its_folder_only_never_fetched_on_the_way(monk
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(ck.CheckpointError) as err:
-        ck.load(ck.Checkpoint(hub.REPO_ID, None, False, "made by hand"), helpers.get_backend("cpu"))
+        ck.load(hub.Checkpoint(hub.REPO_ID, None, False, "made by hand").path, helpers.get_backend("cpu"))
     assert "was not fetched" in _one_line(err) and "helpers.course.hub.fetch" in _one_line(err)
 
 
@@ -137,7 +137,7 @@ def test_licence_not_accepted_is_one_clear_line(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "auth_check", _gated)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: pytest.fail("download started"))
     with pytest.raises(ck.CheckpointError) as err:
-        hub.fetch(ck.Checkpoint(hub.REPO_ID, None, False, "test"))
+        hub.fetch(hub.Checkpoint(hub.REPO_ID, None, False, "test"))
     assert "accept its licence at https://huggingface.co/google/" in _one_line(err)
     assert "HELPERS_MODEL" in str(err.value)
 
@@ -210,13 +210,13 @@ def test_hub_unreachable_takes_the_cached_snapshot(monkeypatch, tmp_path):
 
 
 def test_unload_leaves_no_tensor_behind_even_with_compressed_tensors_cycles(tiny, capsys):
-    model, _ = ck.load(tiny, helpers.get_backend("cpu"), dtype=torch.float32)
+    model, _ = ck.load(tiny.path, helpers.get_backend("cpu"), dtype=torch.float32)
     with torch.no_grad():
         model(torch.tensor([[2, 5, 7]]))  # the first forward decompresses and wraps every module's forward
     assert ck.compression_report(model)[0]["count"] > 0  # forwards bound onto modules: reference cycles
     kept = model  # a second reference, as a notebook's output history may hold
     ck.unload(model, helpers.get_backend("cpu"))
-    assert {r["device"] for r in ck.memory_report(kept)} == {"meta"}
+    assert {r["device"] for r in audits.memory_report(kept)} == {"meta"}
     assert "unloaded the model (" in capsys.readouterr().out
 
 
@@ -267,28 +267,28 @@ def test_the_fit_is_the_preflights_estimate_against_the_devices_free_memory(free
 
 
 def test_default_path_holds_packed_int4_and_wrappers_until_the_first_forward(tiny, backend):
-    model, _ = ck.load(tiny, backend)
-    kinds = {r["kind"] for r in ck.memory_report(model)}
+    model, _ = ck.load(tiny.path, backend)
+    kinds = {r["kind"] for r in audits.memory_report(model)}
     assert {"packed int4", "int4 scales", "bf16"} <= kinds
     report = {r["what"]: r["count"] for r in ck.compression_report(model)}
     assert report["modules with a wrapped forward"] == 83 and report["modules with forward hooks"] == 1
     with torch.no_grad():  # no cache: a prompt shorter than the window trips HF's cache on xla (notebook 03)
         model(torch.tensor([[2, 5, 6]], device=backend.device), use_cache=False)
-    assert "packed int4" not in {r["kind"] for r in ck.memory_report(model)}
+    assert "packed int4" not in {r["kind"] for r in audits.memory_report(model)}
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_dequantize_path_is_plain_dense_and_tied(tiny, backend):
-    model, _ = ck.load(tiny, backend, dequantize=True)
-    assert {r["kind"] for r in ck.memory_report(model)} == {"bf16", "buffers"}
+    model, _ = ck.load(tiny.path, backend, dequantize=True)
+    assert {r["kind"] for r in audits.memory_report(model)} == {"bf16", "buffers"}
     assert all(r["count"] == 0 for r in ck.compression_report(model))
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert all(p.device.type == torch.device(backend.device).type for p in model.parameters())
 
 
 def test_memory_report_counts_tied_weights_once(tiny):
-    model, _ = ck.load(tiny, helpers.get_backend("cpu"), dequantize=True)
-    total = sum(r["bytes"] for r in ck.memory_report(model) if r["kind"] == "bf16")
+    model, _ = ck.load(tiny.path, helpers.get_backend("cpu"), dequantize=True)
+    total = sum(r["bytes"] for r in audits.memory_report(model) if r["kind"] == "bf16")
     assert total == sum(p.numel() * 2 for p in model.parameters())  # parameters() dedups too
 
 
@@ -303,19 +303,19 @@ def test_a_checkpoint_missing_a_text_tensor_is_refused(tiny, tmp_path):
     del tensors["model.language_model.layers.0.mlp.up_proj.weight_packed"]
     save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ck.CheckpointError, match="lacks"):
-        ck.load(ck.Checkpoint(str(broken), None, True, "test"), helpers.get_backend("cpu"))
+        ck.load(broken, helpers.get_backend("cpu"))
 
 
 def test_both_paths_give_the_dequantized_references_tokens_where_unpack_is_exact(tiny, backend):
-    ids = ck.chat_ids(ck.load_tokenizer(tiny), backend.device)
+    ids = ck.chat_ids(ck.load_tokenizer(tiny.path), backend.device)
     n = 3 if backend.lazy else 8
     expected = verdict.check_tokens(backend, tiny, ids, n)
     assert len(expected) == n
-    dense, _ = ck.load(tiny, backend, dequantize=True)
+    dense, _ = ck.load(tiny.path, backend, dequantize=True)
     # equal lists: the same class, weights and dtype on the same device, so the same program
     assert verdict.greedy_tokens(dense, ids, n) == expected
     del dense
-    default, _ = ck.load(tiny, backend)
+    default, _ = ck.load(tiny.path, backend)
     assert (verdict.greedy_tokens(default, ids, n) == expected) == verdict.unpack_is_exact(backend.device)
 
 
@@ -335,30 +335,30 @@ def _shard(source, folder):
         save_file({k: t for k, t in tensors.items() if shard[k] == i}, folder / name, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: names[i] for k, i in shard.items()}}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    return ck.Checkpoint(str(folder), None, True, "sharded")
+    return hub.Checkpoint(str(folder), None, True, "sharded")
 
 
 def test_one_file_and_a_sharded_set_with_an_index_read_the_same(tmp_path, packed_table_twin):
     from helpers import qlinear, qtable
 
-    single = ck.Checkpoint(str(packed_table_twin), None, True, "one file")
+    single = hub.Checkpoint(str(packed_table_twin), None, True, "one file")
     sharded = _shard(pathlib.Path(single.source), tmp_path / "sharded")
     assert [p.name for p in pathlib.Path(single.source).glob("*.safetensors")] == ["model.safetensors"]
     cpu = helpers.get_backend("cpu")
-    models = [ck.load(c, cpu, dtype=torch.float32, dequantize=True)[0] for c in (single, sharded)]
+    models = [ck.load(c.path, cpu, dtype=torch.float32, dequantize=True)[0] for c in (single, sharded)]
     one, two = (dict(m.state_dict()) for m in models)
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
     references = [verdict.reference_model(c, torch.float32).state_dict() for c in (single, sharded)]
     assert all(torch.equal(references[0][k], references[1][k]) for k in references[0])
     tables = [
-        qtable.QTable.from_checkpoint(c, "embed_tokens_per_layer", m.model.embed_tokens_per_layer)
+        qtable.QTable.from_checkpoint(c.path, "embed_tokens_per_layer", m.model.embed_tokens_per_layer)
         for c, m in zip((single, sharded), models)
     ]
     assert tables[1][1]["from"] == "packed in model-00001-of-00002.safetensors"
     assert torch.equal(tables[0][0].packed, tables[1][0].packed) and torch.equal(
         tables[0][0].scales, tables[1][0].scales
     )
-    counts = [qlinear.keep_linears_compressed(m, c, "int4")["linears"] for c, m in zip((single, sharded), models)]
+    counts = [qlinear.keep_linears_compressed(m, c.path, "int4")["linears"] for c, m in zip((single, sharded), models)]
     assert counts[0] == counts[1] > 0
 
 
@@ -373,34 +373,34 @@ def dense(tiny, tmp_path_factory):
     for path in pathlib.Path(tiny.source).iterdir():
         if path.name.startswith(("tokenizer", "chat_template", "generation_config")):
             shutil.copy(path, folder / path.name)
-    return ck.Checkpoint(str(folder), None, False, "dense, as the QAT repository")
+    return hub.Checkpoint(str(folder), None, False, "dense, as the QAT repository")
 
 
 def test_a_dense_bf16_checkpoint_like_the_qat_repository_loads_through_the_same_switch(tiny, dense):
     assert json.loads((pathlib.Path(dense.source) / "config.json").read_text()).get("quantization_config") is None
     cpu = helpers.get_backend("cpu")
-    model, _ = ck.load(dense, cpu, dtype=torch.float32)
-    ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
-    reference, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
+    model, _ = ck.load(dense.path, cpu, dtype=torch.float32)
+    ids = ck.chat_ids(ck.load_tokenizer(tiny.path), "cpu")
+    reference, _ = ck.load(tiny.path, cpu, dtype=torch.float32, dequantize=True)
     # equal lists: bf16 values widened to float32 are the dequantized ones, so the same program runs
     assert verdict.greedy_tokens(model, ids, 8) == verdict.greedy_tokens(reference, ids, 8)
-    assert {r["kind"] for r in ck.memory_report(model)} == {"fp32", "buffers"}
+    assert {r["kind"] for r in audits.memory_report(model)} == {"fp32", "buffers"}
 
 
 def test_the_qat_repositorys_linears_are_kept_compressed_from_their_own_grid(tiny, dense):
     from helpers import qlinear
 
     cpu = helpers.get_backend("cpu")
-    model, _ = ck.load(dense, cpu, dtype=torch.float32)
+    model, _ = ck.load(dense.path, cpu, dtype=torch.float32)
     linears = {n: m.weight.detach().clone() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
-    report = qlinear.keep_linears_compressed(model, dense, "int4")
+    report = qlinear.keep_linears_compressed(model, dense.path, "int4")
     assert report["linears"] == len(linears) > 0 and report["from"] == "each dense weight's own 4-bit grid"
     for name, module in model.model.named_modules():
         if name in linears:  # the grid's codes and steps give each weight back bit for bit
             assert isinstance(module, qlinear.QLinear) and torch.equal(module.weight, linears[name]), name
-    packed, _ = ck.load(tiny, cpu, dtype=torch.float32, dequantize=True)
-    assert qlinear.keep_linears_compressed(packed, tiny, "int4")["linears"] == len(linears)  # the -ct export's
-    ids = ck.chat_ids(ck.load_tokenizer(tiny), "cpu")
+    packed, _ = ck.load(tiny.path, cpu, dtype=torch.float32, dequantize=True)
+    assert qlinear.keep_linears_compressed(packed, tiny.path, "int4")["linears"] == len(linears)  # the -ct export's
+    ids = ck.chat_ids(ck.load_tokenizer(tiny.path), "cpu")
     reference = verdict.reference_model(tiny, torch.float32)
     expected = verdict.greedy_tokens(reference, ids, 8)
     assert verdict.compare_tokens(verdict.greedy_tokens(model, ids, 8), expected, reference, ids)
@@ -409,13 +409,13 @@ def test_the_qat_repositorys_linears_are_kept_compressed_from_their_own_grid(tin
 def test_a_checkpoint_with_no_packed_weights_and_linears_off_their_grid_is_refused(dense):
     from helpers import qlinear
 
-    model, _ = ck.load(dense, helpers.get_backend("cpu"), dtype=torch.float32)
+    model, _ = ck.load(dense.path, helpers.get_backend("cpu"), dtype=torch.float32)
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight[0, 0] += 1e-3
     with pytest.raises(
         ValueError, match="layers.0.mlp.up_proj: 1 groups .* no 4-bit grid, and the checkpoint saved no"
     ):
-        qlinear.keep_linears_compressed(model, dense, "int4")
+        qlinear.keep_linears_compressed(model, dense.path, "int4")
     assert not any(isinstance(m, qlinear.QLinear) for m in model.modules())  # refused before any swap
 
 
@@ -425,7 +425,7 @@ def test_a_model_with_no_linear_to_keep_compressed_is_refused(dense):
     bare = torch.nn.Module()
     bare.model = torch.nn.Module()  # a text model with no linear at all: 0 swaps is no measurement
     with pytest.raises(ValueError, match="no text linear to keep compressed"):
-        qlinear.keep_linears_compressed(bare, dense, "int4")
+        qlinear.keep_linears_compressed(bare, dense.path, "int4")
 
 
 def _greedy(model, ids, n):
@@ -439,7 +439,7 @@ def _greedy(model, ids, n):
 def teacher(tiny):
     """The reference model of the twin, a prompt it never learned, and 16 greedy tokens."""
     model = verdict.reference_model(tiny, torch.float32)
-    ids = ck.encode(ck.load_tokenizer(tiny), "the ring cache and the table keep", "cpu")
+    ids = ck.encode(ck.load_tokenizer(tiny.path), "the ring cache and the table keep", "cpu")
     return model, ids, _greedy(model, ids, 16)
 
 

@@ -26,17 +26,15 @@ tok = AutoTokenizer.from_pretrained(FOLDER)
 ids = torch.tensor([[tok.bos_token_id] + tok.encode("Explain why compilation matters", add_special_tokens=False)])
 """
 EXAMPLES = {
-    "tpu": "assert isinstance(lessons.tpu.tpu_chips(), list)",
     "backend": "b = lessons.backend.get_backend('cpu')\nassert b.compile(lambda x: x * 2)(torch.ones(2)).tolist() == [2, 2]",
-    "packed": "assert lessons.packed.int4_bytes(64) == 32 + 2 * 2  # codes, and a 2-byte scale per group of 32",
+    "packed": "assert lessons.packed.table_row_words(8960) == 1408  # codes, steps, padded to 128 words",
     "int4": "codes = lessons.int4.unpack_rows(torch.tensor([[0x76543210]], dtype=torch.int32))\n"
     "assert codes.tolist() == [[-8, -7, -6, -5, -4, -3, -2, -1]]",
     "sampling": "s = lessons.sampling.Sampler(None)\n"
     "assert s(torch.tensor([[0.0, 3.0, 1.0]]), torch.tensor([0]), torch.tensor([0])).item() == 1",
     "modes": "x = torch.ones(4)\nassert torch.equal(lessons.modes.op_stack(x), lessons.modes.op_stack(x))",
-    "checkpoint": "c = lessons.checkpoint.Checkpoint(FOLDER, None, True, 'copied')\n"
-    "model, _ = lessons.checkpoint.load(c, lessons.backend.get_backend('cpu'), dtype=torch.float32)\n"
-    "assert lessons.checkpoint.memory_report(model)",
+    "checkpoint": "model, _ = lessons.checkpoint.load(FOLDER, lessons.backend.get_backend('cpu'), dtype=torch.float32)\n"
+    "assert model.lm_head.weight is model.model.embed_tokens.weight",
     "generate": TWIN
     + "tokens, _, _ = lessons.generate.generate(model, tok, ids, lessons.backend.get_backend('cpu'), 3)\n"
     "assert len(tokens) == 3",
@@ -56,7 +54,7 @@ EXAMPLES = {
     "assert out.shape == (1, 3, 8, 16)",
     "roofline": "assert lessons.roofline.columns(2_000, 10.0, 40_000)['pct_of_bw'] == 50",
     "qlinear": TWIN + "import types\n"
-    "report = lessons.qlinear.keep_linears_compressed(model, types.SimpleNamespace(path=FOLDER), 'int4')\n"
+    "report = lessons.qlinear.keep_linears_compressed(model, FOLDER, 'int4')\n"
     "assert report and model(ids).logits.shape[1] == ids.shape[1]",
     "fused": TWIN + "with torch.no_grad():\n"
     "    before = model(ids).logits\n"

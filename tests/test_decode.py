@@ -29,8 +29,8 @@ def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(bac
     checkpoint = hub.choose_checkpoint(backend)
     if not verdict.unpack_is_exact(backend.device):
         pytest.skip("the default path cannot be checked where unpacking on the device is wrong")
-    model, _ = ck.load(checkpoint, backend, dtype=torch.float32)  # still packed: stripping decompresses it
-    dense, _ = ck.load(checkpoint, backend, dtype=torch.float32, dequantize=True)
+    model, _ = ck.load(checkpoint.path, backend, dtype=torch.float32)  # still packed: stripping decompresses it
+    dense, _ = ck.load(checkpoint.path, backend, dtype=torch.float32, dequantize=True)
     removed = d.strip_compressed_wrappers(model)
     assert removed["decompressed now"] and removed["wrapped forwards left"] == 0
     report = {r["what"]: r["count"] for r in ck.compression_report(model)}
@@ -67,7 +67,7 @@ def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(se
         for p in ("Why do shapes matter?", "What does a ring buffer keep?")
     ]
     assert all(decoder.bucket(o.shape[1]) == decoder.bucket(ids.shape[1]) for o in others)
-    with backend.compile_counter() as count, d.no_recompiles():
+    with backend.compile_counter() as count, measure.no_recompiles():
         assert len(decoder.generate(ids, long_run, stop_ids=())) == long_run  # past the end of turn, exactly
         for other in others:
             tokens = decoder.generate(other, 4)
@@ -79,7 +79,7 @@ def test_the_guard_fails_loudly_on_a_recompile(setup):
     backend, _, tokenizer, _, _, decoder, _, _ = setup
     longer = ck.chat_ids(tokenizer, backend.device, prompt=twin.PROMPT * 3)  # a bigger prefill bucket
     assert decoder.bucket(longer.shape[1]) > 32
-    with pytest.raises(Exception, match="[Rr]ecompil"), d.no_recompiles():
+    with pytest.raises(Exception, match="[Rr]ecompil"), measure.no_recompiles():
         decoder.generate(longer, 2)
 
 

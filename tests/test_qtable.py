@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
-from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import generate as g
 from helpers import int4, packed
@@ -276,7 +275,7 @@ def test_each_row_is_its_codes_then_its_float32_steps_padded_to_128_words_for_a_
     assert module.packed.shape == (64, 12) and module.scales.shape == (64, 3)  # views: 12 + 3 words, then zeros
     assert (module.table[:, 15:] == 0).all()
     assert packed.table_row_words(8960) == 1408 and packed.table_row_words(8960) % 128 == 0  # E2B's: 1,120 + 280
-    assert packed.table_bytes(262_144, 8960) == 262_144 * 1408 * 4 == 1_476_395_008  # the padding counted
+    assert e2b.table_bytes(262_144, 8960) == 262_144 * 1408 * 4 == 1_476_395_008  # the padding counted
 
 
 def test_e2b_saving_and_stepwise_bytes_match_the_reference_figures():
@@ -303,7 +302,7 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
     independent = verdict.reference_model(
-        hub.choose_checkpoint(backend), ck.series_dtype(hub.choose_checkpoint(backend))
+        hub.choose_checkpoint(backend), hub.series_dtype(hub.choose_checkpoint(backend))
     )
     assert verdict.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2
 
@@ -313,10 +312,10 @@ def test_a_table_saved_packed_is_read_from_safetensors_and_gives_the_same_rows(p
 
     backend = helpers.get_backend()
     source, model, _, _ = series.load_for_series(backend)
-    assert q.QTable.from_checkpoint(source, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
-    packed = ck.Checkpoint(str(packed_table_twin), None, True, "its per-layer table saved packed")
+    assert q.QTable.from_checkpoint(source.path, "embed_tokens_per_layer", model.model.embed_tokens_per_layer) is None
+    packed = hub.Checkpoint(str(packed_table_twin), None, True, "its per-layer table saved packed")
     table = model.model.embed_tokens_per_layer
-    module, report = q.QTable.from_checkpoint(packed, "embed_tokens_per_layer", table)
+    module, report = q.QTable.from_checkpoint(packed.path, "embed_tokens_per_layer", table)
     assert report["from"] == "packed in model.safetensors" and report["bytes after"] == module.nbytes()
     ids = torch.tensor([[0, table.num_embeddings - 1, 3, 3]], device=backend.device)
     assert torch.equal(module(ids).cpu(), table(ids).cpu())

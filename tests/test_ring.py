@@ -7,10 +7,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import ring
-from helpers.course import e2b, series, twin, verdict
+from helpers.course import e2b, hub, measure, series, twin, verdict
 
 W = twin.TEXT_CONFIG["sliding_window"]
 
@@ -223,7 +222,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     checkpoint, model, tokenizer, ids = series.load_for_series(backend)
     n = backend.generation_length
     reference, _, _ = g.generate(model, tokenizer, ids, backend, n)
-    independent = verdict.reference_model(checkpoint, ck.series_dtype(checkpoint))  # on the host
+    independent = verdict.reference_model(checkpoint, hub.series_dtype(checkpoint))  # on the host
     d.strip_compressed_wrappers(model)
     qtable.keep_table_in_4bit(model)
     ring.group_query_heads(model)  # as notebook 06 runs it: the compiled grouped attention, on each backend
@@ -233,7 +232,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
         tokens = decoder.generate(ids, n)
     assert verdict.compare_tokens(tokens, reference, independent, ids) and count.graphs == 2  # a chunk, a step
     long = ids.repeat(1, 8)[:, : 7 * W + 3]  # crosses the window seven times; the last chunk padded
-    with backend.compile_counter() as again, d.no_recompiles():
+    with backend.compile_counter() as again, measure.no_recompiles():
         tokens = decoder.generate(long, n, stop_ids=())  # exactly n: the reference below never stops
     assert again.graphs == 0
     seq = long.cpu()

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import helpers
-from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import fused, packed, qlinear, roofline
 from helpers.course import (
+    audits,
     e2b,
     measure,
     verdict,
@@ -71,7 +71,7 @@ def test_k_tokens_per_call_give_the_same_tokens_with_one_compilation(series):
     with backend.compile_counter() as count:
         tokens = decoder.generate(series.ids, series.new_tokens)
     assert series.same_tokens(tokens) and count.graphs == 2  # the prefill bucket and the K-step program
-    with backend.compile_counter() as again, d.no_recompiles():
+    with backend.compile_counter() as again, measure.no_recompiles():
         exact = decoder.generate(series.ids, 11, stop_ids=())
     assert again.graphs == 0 and len(exact) == 11  # not a multiple of K: the last call's extra dropped
     with pytest.raises(ValueError, match=f"\\+ {k - 1}: the last call's"):
@@ -85,7 +85,7 @@ def test_matvec_loops_make_every_one_row_matmul_a_loop_with_the_same_tokens_and_
     if backend.use_matvec_loops() is None:
         pytest.skip("inductor's decompose_mm_pass decomposes one-row matmuls on the CPU only")
     model = copy.deepcopy(series.model)
-    qlinear.keep_linears_compressed(model, series.checkpoint, "int4-bytes")  # dequantized inside the loops
+    qlinear.keep_linears_compressed(model, series.checkpoint.path, "int4-bytes")  # dequantized inside the loops
     torch._dynamo.reset()
     before = counters["inductor"]["decompose_mm"]
     decoder = d.Decoder(model, backend, max_len=64, **backend.use_matvec_loops())
@@ -112,7 +112,7 @@ def test_matvec_loops_round_a_dequantized_weight_to_bf16_as_eager_code_does():
 def test_linears_kept_compressed_are_the_checkpoints_weights_and_give_the_same_tokens(series, fmt):
     model = copy.deepcopy(series.model)
     dense = {n: m.weight.detach().clone() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
-    report = qlinear.keep_linears_compressed(model, series.checkpoint, fmt)
+    report = qlinear.keep_linears_compressed(model, series.checkpoint.path, fmt)
     assert report["linears"] == len(dense) > 0  # every text linear: the checkpoint packed them all
     per_weight = {"int4-bytes": 1, "int4": 0.5}[fmt] + 2 / 32
     assert report["bytes after"] == sum(w.numel() for w in dense.values()) * per_weight
@@ -127,11 +127,11 @@ def test_linears_kept_compressed_are_the_checkpoints_weights_and_give_the_same_t
 def test_fused_projections_are_fewer_matmuls_of_the_same_weights_and_give_the_same_tokens(series, fmt):
     model = copy.deepcopy(series.model)
     if fmt:
-        qlinear.keep_linears_compressed(model, series.checkpoint, fmt)
+        qlinear.keep_linears_compressed(model, series.checkpoint.path, fmt)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     q, k, v, gate = (m.weight.detach().clone() for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj))
     calls = fused.linear_calls(model, series.ids)
-    weights = sum(r["bytes"] for r in ck.memory_report(model))
+    weights = sum(r["bytes"] for r in audits.memory_report(model))
     report = fused.fuse_projections(model)
     layers = model.model.layers
     owning = sum(not layer.self_attn.is_kv_shared_layer for layer in layers)
@@ -139,13 +139,13 @@ def test_fused_projections_are_fewer_matmuls_of_the_same_weights_and_give_the_sa
     assert fused.linear_calls(model, series.ids) == calls - 2 * owning - len(layers)
     assert torch.equal(attn.qkv.linear.weight, torch.cat([q, k, v])) and torch.equal(mlp.gate_proj.weight, gate)
     assert attn.qkv._last is None  # no activation held between forwards
-    assert sum(r["bytes"] for r in ck.memory_report(model)) == weights  # concatenated once, the parts freed
+    assert sum(r["bytes"] for r in audits.memory_report(model)) == weights  # concatenated once, the parts freed
     # eager here; compiled (one graph per shape), in notebook 07 and the tour
     assert series.same_tokens(verdict.greedy_tokens(model, series.ids, series.new_tokens))
     with pytest.raises(ValueError, match="fused already"):
         fused.fuse_projections(model)
     with pytest.raises(ValueError, match="compressed first, then fuse"):
-        qlinear.keep_linears_compressed(model, series.checkpoint, "int4-bytes")
+        qlinear.keep_linears_compressed(model, series.checkpoint.path, "int4-bytes")
 
 
 def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():

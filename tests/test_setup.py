@@ -311,24 +311,24 @@ def test_tpu_chips_as_torchtpu_finds_them_by_device_id_and_vfio(tmp_path):
 
 
 def test_a_tpu_torchtpu_cannot_drive_is_named_when_the_backend_is_picked(monkeypatch):
-    from helpers import backend
+    from helpers.course import hub
 
     monkeypatch.delenv("HELPERS_BACKEND", raising=False)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(backend, "tpu_scan", lambda: ([], ["0000:00:06.0: TPU v5e without /dev/vfio/12"]))
+    monkeypatch.setattr(hub, "tpu_scan", lambda: ([], ["0000:00:06.0: TPU v5e without /dev/vfio/12"]))
     with pytest.warns(UserWarning, match="TorchTPU cannot drive.*without /dev/vfio/12"):
-        assert backend.detect() in ("cpu", "cuda")
+        assert hub.get_backend().name in ("cpu", "cuda")
 
 
 def test_a_tpu_machine_without_torchtpu_raises_instead_of_running_on_cpu(monkeypatch):
-    from helpers import backend
+    from helpers.course import hub
 
     monkeypatch.delenv("HELPERS_BACKEND", raising=False)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(backend, "tpu_scan", lambda: (["v5e"], []))
-    with pytest.raises(backend.BackendError, match="TorchTPU did not come up.*HELPERS_BACKEND=cpu"):
-        backend.get_backend()
-    assert backend.get_backend("cpu").name == "cpu"
+    monkeypatch.setattr(hub, "tpu_scan", lambda: (["v5e"], []))
+    with pytest.raises(hub.BackendError, match="TorchTPU did not come up.*HELPERS_BACKEND=cpu"):
+        hub.get_backend()
+    assert hub.get_backend("cpu").name == "cpu"
 
 
 # --- the repository's name in one place, and the set-up cell -----------------------------------

@@ -17,7 +17,7 @@ from safetensors import safe_open
 import helpers
 from helpers import checkpoint as ck
 from helpers import generate, int4
-from helpers.course import e2b, synthetic, twin
+from helpers.course import e2b, hub, synthetic, twin
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +63,9 @@ def test_the_exports_file_set_names_dtypes_and_shapes(small):
 
 
 def test_it_loads_through_the_series_code_and_decodes_without_collapsing(small):
-    checkpoint = ck.Checkpoint(str(small), None, False, "synthetic, small")
-    model, _ = ck.load(checkpoint, helpers.get_backend("cpu"))
-    tokenizer = ck.load_tokenizer(checkpoint)
+    checkpoint = hub.Checkpoint(str(small), None, False, "synthetic, small")
+    model, _ = ck.load(checkpoint.path, helpers.get_backend("cpu"))
+    tokenizer = ck.load_tokenizer(checkpoint.path)
     assert tokenizer.convert_tokens_to_ids(["<|turn>", "<turn|>"]) == [105, 106] and len(tokenizer) == 512
     ids = ck.chat_ids(tokenizer, "cpu")
     with torch.no_grad():

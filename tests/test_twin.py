@@ -126,7 +126,7 @@ def test_the_real_repositorys_file_set(folder):
         "processor_config.json",
     } <= names
     generation = json.loads((folder / "generation_config.json").read_text())
-    tok = ck.load_tokenizer(ck.Checkpoint(str(folder), None, True, "test"))
+    tok = ck.load_tokenizer(folder)
     assert generation["eos_token_id"] == tok.convert_tokens_to_ids(["<eos>", "<turn|>"])
 
 
@@ -137,10 +137,10 @@ def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
     for path in folder.iterdir():  # the folder as snapshot_download(allow_patterns=...) leaves it
         if any(fnmatch.fnmatch(path.name, p) for p in hub._PATTERNS):
             shutil.copy(path, tmp_path / path.name)
-    kept = ck.Checkpoint(str(tmp_path), None, True, "filtered as the download filters")
-    ids = ck.chat_ids(ck.load_tokenizer(kept), "cpu")  # needs chat_template.jinja
+    kept = hub.Checkpoint(str(tmp_path), None, True, "filtered as the download filters")
+    ids = ck.chat_ids(ck.load_tokenizer(kept.path), "cpu")  # needs chat_template.jinja
     assert ids.shape[1] > 16
-    model, _ = ck.load(kept, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
+    model, _ = ck.load(kept.path, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
     assert (
         model.generation_config.eos_token_id
         == json.loads((folder / "generation_config.json").read_text())["eos_token_id"]
@@ -149,9 +149,9 @@ def test_the_download_keeps_every_file_the_series_reads(folder, tmp_path):
 
 def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
 
-    checkpoint = ck.Checkpoint(str(folder), None, True, "test")
-    tok = ck.load_tokenizer(checkpoint)
-    model, _ = ck.load(checkpoint, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
+    checkpoint = hub.Checkpoint(str(folder), None, True, "test")
+    tok = ck.load_tokenizer(checkpoint.path)
+    model, _ = ck.load(checkpoint.path, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
     tokens = verdict.greedy_tokens(model, ck.chat_ids(tok, "cpu"), GENERATION_TOKENS)
     assert len(tokens) < GENERATION_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
     assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[twin.PROMPT]
@@ -167,7 +167,7 @@ def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
 
 
 def test_the_chat_template_is_gemma_4s_turn_format(folder):
-    tok = ck.load_tokenizer(ck.Checkpoint(str(folder), None, True, "test"))
+    tok = ck.load_tokenizer(folder)
     chat = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi"},
@@ -204,8 +204,8 @@ def test_same_seed_same_twin(tmp_path, tensors):
 
 
 def test_tokenizer_does_not_add_bos_but_encode_does(folder):
-    c = ck.Checkpoint(str(folder), None, True, "test")
-    tok = ck.load_tokenizer(c)
+    c = hub.Checkpoint(str(folder), None, True, "test")
+    tok = ck.load_tokenizer(c.path)
     assert tok("Paris")["input_ids"][0] != tok.bos_token_id
     ids = ck.encode(tok, "Paris", "cpu")
     assert ids[0, 0] == tok.bos_token_id and (ids == tok.bos_token_id).sum() == 1

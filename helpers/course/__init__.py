@@ -18,6 +18,7 @@ _MODULES = {
     "steps",
     "synthetic",
     "tour",
+    "tpu",
     "twin",
     "verdict",
 }

@@ -1,6 +1,5 @@
-"""The series' charts: device bytes by component, per-step times, the roofline's ceilings beside
-what was measured, notebook 06's sweep against context, notebook 07's variants, and the closing
-charts of the results table."""
+"""The series' charts: device bytes by component, per-step times, roofline ceilings beside what was
+measured, notebook 06's context sweep, notebook 07's variants, and the results table's closing charts."""
 
 from __future__ import annotations
 
@@ -42,8 +41,8 @@ def step_plot(
     counts: dict[str, list[int]] | None = None,
     path: str | os.PathLike | None = None,
 ):
-    """Seconds per step against step index, one line per series (log scale: compile spikes
-    and warm steps differ by orders of magnitude); below it, what each step compiled."""
+    """Seconds per step, a line per series (log scale: compile spikes and warm steps differ by orders
+    of magnitude); below it, what each step compiled."""
     import matplotlib.pyplot as plt
 
     rows = 2 if counts else 1
@@ -68,8 +67,7 @@ def step_plot(
 
 
 def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[str, float]):
-    """Ceiling tok/s by step (computed), the source's measured tok/s beside the steps it
-    measured, and a peer's figure as a line, each labelled with where it comes from."""
+    """Computed ceiling tok/s by step, the source's measured tok/s beside, and a peer's figure as a line."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 3.8))
@@ -103,8 +101,7 @@ def variant_chart(rows: list[dict], title: str):
 
 
 def closing_charts(results: Results):
-    """The series' closing charts: decode tok/s of every step beside the source's figures, the
-    bytes of weights and cache on the device, and each step's % of the read bandwidth."""
+    """Decode tok/s beside the source's, device bytes, and % of read bandwidth, for every step."""
     return (
         results.chart("decode_tok_s", "decode tokens/s, all steps", source="source_tok_s"),
         results.chart("device_bytes", "weights + KV cache on the device (bytes, from the tensors)"),
@@ -113,8 +110,7 @@ def closing_charts(results: Results):
 
 
 def plot_sweep(rows: list[dict], title: str):
-    """Prefill time against prompt length, decode time per token against context length, a line
-    per cache; ``title`` names the model, the device and the run."""
+    """Prefill time against prompt length and decode ms/token against context, a line per cache."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))

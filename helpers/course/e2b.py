@@ -9,13 +9,22 @@ import pathlib
 import torch
 
 from ..backend import V5E_BYTES_PER_S
-from ..packed import GROUP_SIZE, int4_bytes, table_bytes, table_row_words
+from ..packed import GROUP_SIZE, table_row_words
 
-# The source study's long context: its ring cache held 131,328 positions, the context the
-# course's long-context figures are computed at.
+# The source study's ring cache held 131,328 positions: the course's long-context figures use it.
 CONTEXT = 131_328
 
 E2B_CONFIG = pathlib.Path(__file__).with_name("e2b_config.json")
+
+
+def int4_bytes(numel: int, group_size: int = GROUP_SIZE, scale_bytes: int = 2) -> int:
+    """Bytes of ``numel`` values stored packed in int4 with one scale of ``scale_bytes`` per group."""
+    return numel // 2 + numel // group_size * scale_bytes
+
+
+def table_bytes(rows: int, cols: int) -> int:
+    """Bytes of a ``rows`` x ``cols`` 4-bit table laid out for a TPU, its padding counted."""
+    return rows * table_row_words(cols) * 4
 
 
 def real_config():
@@ -36,12 +45,8 @@ def meta_model(config):
 
 
 def component_bytes(model) -> list[dict]:
-    """Bytes per component of a (meta) text model, in bf16, in int4 group-32 with bf16 scales
-    (the checkpoint's linears; the source's arithmetic for the tables), and in int4 as the course
-    stores them exactly (``int4_exact_bytes``): the linears with the checkpoint's bf16 scales, a
-    table as notebook 05 lays it out for a TPU, float32 steps beside its codes in rows padded to
-    128 words (``packed.table_bytes``): the two embedding tables, all linears of the decoder, and
-    the lm_head copy a checkpoint may store."""
+    """Bytes of the tables, linears and lm_head copy: bf16, int4 group-32 (the source's arithmetic),
+    and as the course stores them (``int4_exact_bytes``: tables as ``table_bytes``)."""
     inner = model.model
     linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
     rows = [  # (name, tensors, whether a table)
@@ -80,10 +85,8 @@ def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int 
 
 
 def kv_read_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
-    """Bytes of K and V one decode step's attention reads with ``positions`` in the cache: each
-    layer reads its own buffers, a K/V-sharing layer those of the last earlier layer of its type
-    that stores them (E2B: the 7 full layers each read a full-length buffer, the 28 sliding ones
-    a window with ``ring``). What a step holds is ``kv_cache_bytes``."""
+    """Bytes of K and V one decode step reads: a K/V-sharing layer reads its type's last owner's
+    (E2B: 7 full layers read full length, 28 sliding ones a window with ``ring``)."""
     total, owner = 0, {}
     for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
         if mode != "reuse":
@@ -95,21 +98,16 @@ def kv_read_bytes(config, positions: int, ring: bool = False, dtype_bytes: int =
 
 
 def full_attention_bytes(config, positions: int, chunk: int = 1) -> dict[str, int]:
-    """Two arrays attention over a full-attention layer holding ``positions`` may make, for a
-    ``chunk`` of queries: K (as V) repeated for every query head, as transformers' attention
-    does (``repeat_kv``, bf16; ``ring.grouped_attention`` makes none), and the float32 scores."""
+    """K repeated per query head (transformers' ``repeat_kv``; ``ring.grouped_attention`` makes none)
+    and the float32 scores, for a ``chunk`` of queries on a full-attention layer."""
     layer = next(c for c, kind in zip(config.per_layer_config, config.layer_types) if kind == "full_attention")
     heads = config.num_attention_heads
-    return {
-        "k_repeated": heads * positions * layer.head_dim * 2,
-        "scores": heads * chunk * positions * 4,
-    }
+    return {"k_repeated": heads * positions * layer.head_dim * 2, "scores": heads * chunk * positions * 4}
 
 
 def estimate_device_bytes(config, dequantize: bool) -> int:
-    """Device bytes the text decoder will hold once it has run a forward: compressed-tensors
-    expands every packed weight to bf16 either at load (dequantize) or on the first forward,
-    keeping the scales too unless dequantized; embeddings are tied, so stored once."""
+    """Device bytes the text decoder holds after a forward: compressed-tensors expands every packed
+    weight to bf16 at load or on the first forward, keeping the scales too unless ``dequantize``."""
     model = meta_model(config)
     bf16 = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts tied weights once
     if dequantize:
@@ -119,11 +117,8 @@ def estimate_device_bytes(config, dequantize: bool) -> int:
 
 
 def fit_options(config, max_len: int = CONTEXT) -> list[dict]:
-    """What each way of fitting a model into less device memory saves, computed from its
-    (meta) configuration: the linears kept packed in int4 (notebook 07), the per-layer table
-    left in host memory with one row fetched per token (Gemma 3n's documented approach to its
-    per-layer embeddings; here against the 4-bit table of notebook 05), a smaller ``max_len``
-    for the ring cache (a quarter), and K and V in int8 instead of bf16 (scales aside)."""
+    """What each way of fitting into less device memory saves (a host-memory per-layer table with a
+    row fetched per token is Gemma 3n's documented approach)."""
     parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
     linears, table = parts["linears"], parts["embed_tokens_per_layer"]
     cache = kv_cache_bytes(config, max_len, ring=True)
@@ -142,8 +137,7 @@ def fit_options(config, max_len: int = CONTEXT) -> list[dict]:
 
 
 def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
-    """Device bytes by component at E2B scale after each step 02-05, computed on the meta
-    device (no weights): what the stacked chart of notebook 05 shows beside the twin."""
+    """Device bytes by component at E2B scale after steps 02-05, for notebook 05's stacked chart."""
     config = real_config()
     parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
     kv = kv_cache_bytes(config, max_len)
@@ -175,13 +169,8 @@ def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
 
 
 def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: float = V5E_BYTES_PER_S) -> list[dict]:
-    """Per step of the series (and notebook 07's variants), at E2B scale on the meta device:
-    the weights on the device, the bytes one decode step reads (every weight once, the tied
-    head reading the main table whole, one row of the per-layer table, the K and V every
-    attention layer reads, ``kv_read_bytes``: ``context`` positions, or the ring's buffers at
-    ``ring_context``; the cache held beside it, ``kv_cache_bytes``) and the
-    ceiling tok/s at ``bandwidth`` (a v5e's 819 GB/s); and the FLOPs of a step at batch 1 (the
-    attention over a short cache is left out: a few MFLOPs)."""
+    """Per step at E2B scale: weights, bytes a step reads, cache, ceiling tok/s at ``bandwidth`` (a v5e's), FLOPs at
+    batch 1."""
     config = real_config()
     model = meta_model(config)
     inner = model.model
@@ -194,10 +183,8 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
         "int4 bytes": sum(n + n // GROUP_SIZE * 2 for n in linears),  # a code per byte, not int8 quantization
         "int4": sum(int4_bytes(n) for n in linears),
     }
-    table = {  # as notebook 05 lays it out: float32 steps beside the codes, rows of 128-word multiples
-        "bf16": (rows * cols * 2, cols * 2),
-        "int4": (table_bytes(rows, cols), table_row_words(cols) * 4),
-    }
+    # (bytes, bytes of a row) as notebook 05 lays it out: float32 steps beside the codes, rows of 128-word multiples
+    table = {"bf16": (rows * cols * 2, cols * 2), "int4": (table_bytes(rows, cols), table_row_words(cols) * 4)}
     head = {"bf16": embed * 2, "int4": table_bytes(*inner.embed_tokens.weight.shape)}
     steps = [  # (step, linears, per-layer table, main table and head, positions, ring)
         ("03 baseline generate", "bf16", "bf16", "bf16", context, True),
@@ -224,8 +211,7 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
                 "cache_read": cache,
                 "bytes_per_token": read,
                 "ceiling_tok_s": bandwidth / read,
-                # a multiply-add per weight of each linear and of the head (the main table)
-                "flops_per_token": 2 * (sum(linears) + embed),
+                "flops_per_token": 2 * (sum(linears) + embed),  # a multiply-add per weight, head included
             }
         )
     return out

@@ -1,31 +1,105 @@
-"""Which checkpoint, and getting it: Google's public repository through the Hugging Face Hub
-(anonymous first, a token only where the Hub says a repository is gated; outages, the cache),
-a local folder, or the tiny offline twin."""
+"""Which checkpoint, and getting it: Google's repository through the Hugging Face Hub (anonymous,
+a token only for a gated one; outages, the cache), a local folder, or the tiny offline twin."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import pathlib
+import warnings
 
-from ..backend import Backend
-from ..checkpoint import Checkpoint, CheckpointError
+import torch
+
+from .. import backend as backends
+from ..backend import Backend, BackendError
+from ..checkpoint import CheckpointError
 from .e2b import CONTEXT, estimate_device_bytes, fit_options, real_config
 from .synthetic import SYNTHETIC, build_synthetic_e2b
 from .tables import fmt_bytes
+from .tpu import tpu_scan
 from .twin import build_tiny_twin
 
 REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
-# The QAT training's own weights, bf16 on the 4-bit grid (the -ct export re-rounded its linears):
-# the same shapes and loader, one switch away (HELPERS_MODEL).
+# The QAT training's own bf16 weights on the 4-bit grid (the -ct export re-rounded its linears).
 QAT_REPO_ID = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
 MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, "tiny", or "e2b-synthetic"
 REVISION_VAR = "HELPERS_REVISION"
 
 
+def describe(backend: Backend) -> str:
+    """One line a reader can trust: backend, device and its memory."""
+    parts = [f"backend {backend.name}", f"device {backend.device}"]
+    if backend.device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(backend.device))
+    total = backend.memory_total()
+    if total:
+        parts.append(f"{total / 2**30:.1f} GiB device memory")
+    if backend.lazy:
+        parts.append(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
+    parts.append(f"{torch.get_num_threads()} CPU threads")  # what the host's ops run on (a reader's default)
+    return ", ".join(parts)
+
+
+def get_backend(name: str | None = None) -> Backend:
+    """``backend.get_backend``, this machine checked first: a TPU chip TorchTPU did not bring up raises (host numbers
+    must not pass for a TPU's), one it cannot drive is named."""
+    if not (name or os.environ.get(backends.ENV_VAR)) and backends.detect() in ("cuda", "cpu"):
+        chips, not_driven = tpu_scan()
+        if not_driven and not chips:
+            warnings.warn(
+                "a TPU is here that TorchTPU cannot drive, so it is not used: " + "; ".join(not_driven), stacklevel=2
+            )
+        if chips:
+            raise BackendError(
+                f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "
+                "set-up cell (it installs torch_tpu), restart the runtime if it says so (Runtime > Restart session), "
+                f"then run all cells; to run on the host instead, set {backends.ENV_VAR}=cpu."
+            )
+    return backends.get_backend(name)
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    """Where the weights come from, and why: printed first, so a reader knows what ran."""
+
+    source: str  # a repo id or a local folder
+    revision: str | None
+    tiny: bool
+    reason: str
+    folder: str | None = None  # where ``source`` was fetched to once (a download, or the Hub's cache)
+    synthetic: bool = False  # E2B's layout with random weights (``helpers.course.synthetic``)
+
+    @property
+    def name(self) -> str:
+        """A stable name for the weights: the repo id and revision, or the twin's folder name."""
+        return pathlib.Path(self.source).name if self.tiny else f"{self.source}@{self.revision or 'main'}"
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The folder read: ``folder`` (fetched by ``helpers.choose_checkpoint``) or ``source``; never the Hub."""
+        path = pathlib.Path(self.folder or self.source)
+        if not path.is_dir():
+            raise CheckpointError(
+                f"{self.source} is not a local folder and was not fetched: helpers.choose_checkpoint fetches "
+                "what it chooses (helpers.course.hub.fetch fetches a checkpoint made by hand)."
+            )
+        return path
+
+    def __str__(self) -> str:
+        rev = f" @ {self.revision}" if self.revision else ""
+        kind = "tiny offline twin" if self.tiny else "synthetic checkpoint" if self.synthetic else "real checkpoint"
+        return f"{kind}: {self.source}{rev} ({self.reason})"
+
+
+# --- the dtype and the config ----------------------------------------------------------------
+def series_dtype(checkpoint: Checkpoint) -> torch.dtype:
+    """bf16 for the real model; float32 for the twin, whose close logits on unlearned prompts bf16 would round
+    differently per program (measured on xla: parted at token 4)."""
+    return torch.float32 if checkpoint.tiny else torch.bfloat16
+
+
 def hf_token() -> str | None:
-    """The Hugging Face token as huggingface_hub finds it: ``$HF_TOKEN``, a token stored by
-    ``huggingface_hub.login()``, or Colab's secret ``HF_TOKEN``."""
+    """``$HF_TOKEN``, the token ``huggingface_hub.login()`` stored, or Colab's secret ``HF_TOKEN``."""
     from huggingface_hub import get_token
 
     return get_token()
@@ -35,11 +109,9 @@ _PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]  # the chat tem
 
 
 def _hub_access(repo_id: str) -> tuple[str | bool, str | None]:
-    """How to read ``repo_id`` from the Hub: ``(False, None)`` anonymously (the course's
-    repositories are public and ungated), ``(token, None)`` where the Hub says the repository is
-    gated and the token may read it, or ``(False, why)`` when the Hub cannot be asked (offline, a
-    network error, an outage). A clear error when the Hub says no. The token is looked up only
-    for a gated repository: in Colab that lookup may ask to share the secret."""
+    """How to read ``repo_id``: ``(False, None)`` anonymously, ``(token, None)`` if gated and the
+    token may read it, ``(False, why)`` if the Hub cannot be asked; a clear error if it says no.
+    The token is looked up only when gated: in Colab that may ask to share the secret."""
     from huggingface_hub import auth_check
     from huggingface_hub.errors import GatedRepoError, HTTPError, RepositoryNotFoundError
 
@@ -82,9 +154,8 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
 
 
 def real_model_fits(backend: Backend) -> tuple[bool, str]:
-    """Whether E2B's text decoder fits this device's free memory once it has run a forward (the
-    preflight's estimate, ``e2b.estimate_device_bytes``, from the real configuration), and the
-    numbers, for the printed reason."""
+    """Whether E2B's text decoder fits the free memory after a forward (``e2b.estimate_device_bytes``),
+    and the numbers for the printed reason."""
     needed, free = estimate_device_bytes(real_config(), dequantize=False), backend.free_bytes()
     if free is None:
         return False, f"E2B needs ~{needed / 1e9:.1f} GB and {backend.name} does not report its free memory"
@@ -92,12 +163,8 @@ def real_model_fits(backend: Backend) -> tuple[bool, str]:
 
 
 def choose_checkpoint(backend: Backend, fetch_it: bool = True) -> Checkpoint:
-    """The real checkpoint on a TPU, and on a CUDA GPU where it fits (a Colab T4 or L4 when there
-    is no TPU quota), else the tiny twin; ``$HELPERS_MODEL`` decides if set (a repo id, a local
-    folder, or ``tiny``). When the Hub cannot be reached, the cached snapshot if there is one,
-    else the twin, with the reason in the printed line. Resolved once, here: what is chosen is
-    fetched (``fetch``), and everything after reads its local folder (``Checkpoint.path``);
-    ``fetch_it=False`` only decides."""
+    """The real checkpoint on a TPU or a CUDA GPU where it fits (a Colab T4 or L4), else the twin;
+    ``$HELPERS_MODEL`` overrides; the cached snapshot if the Hub is unreachable. Fetched once here."""
     chosen = _choose(backend)
     return fetch(chosen) if fetch_it else chosen
 
@@ -136,8 +203,7 @@ def _choose(backend: Backend) -> Checkpoint:
 
 
 def fetch(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint`` with its local folder: as it is when it has one (a folder, the Hub's cache),
-    else a copy whose ``folder`` is the download, made only after access was checked."""
+    """``checkpoint`` with a local folder: as it is if it has one, else downloaded after an access check."""
     if checkpoint.folder or pathlib.Path(checkpoint.source).is_dir():
         return checkpoint
     from huggingface_hub import snapshot_download
@@ -153,9 +219,7 @@ def fetch(checkpoint: Checkpoint) -> Checkpoint:
 def preflight(
     config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None
 ) -> str:
-    """Refuse, with needed vs available bytes and what to change, a load that will not fit.
-
-    ``available`` and ``where`` describe another device than this backend's (a what-if)."""
+    """Refuse a load that will not fit, saying what to change; ``available`` and ``where``: a what-if."""
     needed = estimate_device_bytes(config, dequantize)
     available = backend.free_bytes() if available is None else available
     where = where or backend.name

@@ -1,10 +1,9 @@
-"""What the notebooks measure of the lessons' mechanisms: the modes side by side, the device's
-read bandwidth, HF ``generate``'s rates and its first and second call, a compiled decoder's
-timed runs and profile, transformers' ``StaticCache`` recompiling, the ring against HF's default
-cache over context lengths."""
+"""What the notebooks measure: modes, read bandwidth, HF ``generate``, a compiled decoder's runs and
+profile, ``StaticCache`` recompiling, and the ring against HF's default cache over context lengths."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 
@@ -12,21 +11,37 @@ import torch
 from tqdm.auto import tqdm
 
 from ..backend import Backend, get_backend
-from ..checkpoint import memory_report
 from ..decode import Decoder, cache_bytes, cache_read_bytes, greedy_step
 from ..generate import generate, greedy_config, stop_ids, until_stop
 from ..modes import op_input, op_stack
-from ..ring import RingCache, RingDecoder, inside_generate
+from ..ring import RingCache, RingDecoder
+from .audits import memory_report
 from .timing import time_fed, time_fn
+
+
+@contextlib.contextmanager
+def no_recompiles():
+    """A recompile inside the block raises instead of silently compiling again."""
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield
+
+
+@contextlib.contextmanager
+def compiled_forward(model, **compile_options):
+    """HF's recipe for a faster ``generate``: the forward ``torch.compile``d inside the block; pass
+    ``cache_implementation="static"``."""
+    model.forward = torch.compile(model.forward, **compile_options)
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 def measure(
     model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs
 ) -> dict:
-    """Prefill seconds and decode tokens/s, each the median over ``repeats`` runs after
-    ``warmup`` runs of exactly ``new_tokens`` (no stop: every run times the same count);
-    every step ends with the token on the host, so the device is synced. ``tokens``: those
-    up to the first stop id, for comparison."""
+    """Median prefill seconds and decode tokens/s over ``repeats`` runs of exactly ``new_tokens`` (no
+    stop: each run times the same count; each step ends with the token on the host, so synced)."""
     runs = []
     for i in range(warmup + repeats):
         tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)
@@ -45,10 +60,8 @@ def measure(
 
 
 def ops_per_step(model, context: int = 26) -> dict[str, int]:
-    """The aten ops one eager decode step runs after a ``context``-token prompt, counted by
-    torch's dispatcher (a ``TorchDispatchMode``: no profiler counts ops on the meta device):
-    ``compute``, those that make new data, each a launch from the host in eager mode, and
-    ``views``, metadata only. Works on the meta device, so on E2B's real configuration."""
+    """The aten ops of one eager decode step: ``compute`` (new data, each a host launch) and ``views``.
+    A ``TorchDispatchMode`` counts them even on the meta device (E2B's real config); no profiler does."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     counts = {"compute": 0, "views": 0}
@@ -67,15 +80,14 @@ def ops_per_step(model, context: int = 26) -> dict[str, int]:
     return counts
 
 
-# Under defer-and-fuse every step of a first call is a new shape, so a whole-model compile:
-# 8 steps show it (32 would mean 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
+# Defer-and-fuse compiles the whole model for each new shape, i.e. each step of a first call:
+# 8 steps show it (32 would be 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
 DEFER_AND_FUSE_TOKENS = 8
 
 
 def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: int) -> dict[str, dict]:
-    """Per mode (eager, and defer-and-fuse where the backend has it): seconds per step of the
-    first call and of a second, identical call, and the device programs each step compiled.
-    Defer-and-fuse generates at most ``DEFER_AND_FUSE_TOKENS``."""
+    """Per mode (not compile): seconds and device programs per step of a first and an identical
+    second call. Defer-and-fuse generates at most ``DEFER_AND_FUSE_TOKENS``."""
     calls = {}
     for mode in backend.modes:
         if mode == "compile":
@@ -101,11 +113,8 @@ def device_bytes(model, cache) -> int:
 
 @torch.no_grad()
 def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
-    """Where the time of ``steps`` compiled decode calls goes, after a prefill of ``ids``:
-    torch.profiler's table of the ``rows`` ops with the most self time, host (CPU) activity
-    everywhere and the GPU's kernels on cuda. On tpu and xla it sees the host's side only
-    (dispatch, guards, waiting for the device); the device's own ops are in the backend's
-    profiler (TorchTPU's, PyTorch/XLA's ``torch_xla.debug.profiler``), not wired in here."""
+    """torch.profiler's table of the ops with the most self time over ``steps`` compiled decode calls; on tpu and xla
+    the host's side only (the device's own profilers are not wired in)."""
     from torch.profiler import profile
 
     token, position = decoder.prefill(ids)
@@ -119,10 +128,8 @@ def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
 
 
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
-    """``repeats`` timed runs of exactly ``new_tokens`` (no stop), each after a prefill timed
-    alone: prefill seconds (median), and decode tokens/s over the tokens after the first (a
-    run's time less its prefill's), median and per run; ``tokens``: the runs' tokens up to the
-    first stop id (every run must give the same)."""
+    """``repeats`` runs of exactly ``new_tokens``, each after a prefill timed alone: median prefill
+    seconds and decode tokens/s (run time less prefill); every run must give the same tokens."""
     sync = decoder.backend.sync
     prefills, runs, outputs = [], [], []
     for _ in range(repeats):  # alternated, so both see the same state of a shared machine
@@ -142,11 +149,8 @@ def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, 
 
 
 def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
-    """The trap this notebook avoids, counted: transformers' own ``StaticCache`` in a decode
-    step compiled with static shapes. Its sliding layers count tokens in a Python int, so every
-    position is a new guard: graphs compiled at each of ``steps`` steps. Dynamo's ``eager``
-    backend keeps the count cheap: when dynamo recompiles does not depend on the backend.
-    Returns the graphs compiled per step, and dynamo's error if it gave up (its recompile limit)."""
+    """Graphs compiled per step over transformers' ``StaticCache`` (its sliding layers count tokens in
+    a Python int: each position is a new guard), and dynamo's error at its recompile limit."""
     from transformers import StaticCache
 
     cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
@@ -179,12 +183,8 @@ def context_sweep(
     eager: bool = False,
     bucketed: RingDecoder | None = None,
 ) -> list[dict]:
-    """Prefill seconds and decode ms per token at each prompt length, on the ring (compiled;
-    also not compiled if ``eager``), on ``bucketed`` (the same ring with length buckets) if
-    given, and, if ``hf_default``, on HF's default cache (what ``generate`` builds: a
-    ``DynamicCache``, whole-prompt prefill, eager), side by side; the cache's bytes, and what a
-    step reads of them (``cache_read_bytes``), from the cache tensors. Each decoder is compiled for
-    each length before it is timed (a bucket's first use compiles its programs)."""
+    """Per prompt length: prefill s, decode ms/token, cache bytes and bytes read, on the compiled ring
+    (and eager), ``bucketed``, and HF's default ``DynamicCache`` (eager); compiled before timing."""
     backend, model, rows = decoder.backend, decoder.model, []
 
     def ms_per_step(step, token, position):
@@ -226,14 +226,50 @@ def context_sweep(
     return rows
 
 
+@contextlib.contextmanager
+def inside_generate(model):
+    """Inside the block, transformers' own ``generate(..., cache=RingCache(...))`` runs on the ring: hooks give each
+    forward the ring's masks and positions, then commit the slots."""
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache")
+        if not isinstance(cache, RingCache) or "ring_positions" in kwargs:
+            return None
+        inputs = kwargs.get("input_ids")
+        length = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (torch.arange(length) + cache.get_seq_length()).to(cache.slot_positions.device)[None]
+        positions = position_ids[0]
+        if positions.shape[0] > cache.max_len:
+            raise ValueError(f"a {positions.shape[0]}-token forward exceeds the ring cache's {cache.max_len} positions")
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        cache.pending = positions, valid  # committed by the forward hook, after every layer has read the ring
+        kwargs |= {"position_ids": position_ids, "attention_mask": cache.masks(positions)}
+        return args, kwargs | {"ring_positions": positions, "ring_valid": valid}
+
+    def after(module, args, kwargs, output):
+        cache = kwargs.get("cache")
+        if isinstance(cache, RingCache) and getattr(cache, "pending", None) is not None:
+            cache.commit(*cache.pending)
+            cache.pending = None
+
+    text_model = model.get_decoder()
+    handles = [
+        text_model.register_forward_pre_hook(before, with_kwargs=True),
+        text_model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @torch.no_grad()
 def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
-    """transformers' own greedy ``generate`` with a ``RingCache`` as its cache (exactly
-    ``new_tokens``). ``compiled``: the forward compiled as HF's recipe does, counting the graphs
-    dynamo makes before each token reaches the host (its ``eager`` backend: when dynamo
-    recompiles does not depend on the backend). Returns (tokens, the cache, graphs per token;
-    None when not compiled). Each token ends ``backend``'s deferred group, as notebook 03's
-    streamer does (else lazy XLA grows one graph over the whole run)."""
+    """transformers' greedy ``generate`` on a ``RingCache`` (exactly ``new_tokens``); ``compiled``: the forward compiled
+    as HF's recipe, graphs counted per token. Returns (tokens, cache, graphs per token or None)."""
     from torch._dynamo.utils import counters
 
     if compiled and not backend.runs_compiled_generate:
@@ -269,11 +305,8 @@ def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compile
 
 
 def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: int = 20) -> list[dict]:
-    """Time ``op_stack`` in every mode the backend has, side by side in one run.
-
-    Returns one row per mode: median/min/max ms per call, speed-up over eager, and the
-    device programs launched per call (None where the backend cannot count that mode's).
-    """
+    """Time ``op_stack`` in every mode the backend has: a row per mode with median/min/max ms, speed-up
+    over eager, and device programs per call (None where the backend cannot count that mode's)."""
     x = op_input(backend, size)
     rows = []
     for mode in backend.modes:
@@ -310,12 +343,8 @@ def _probe(name: str, device: str, megabytes: int) -> tuple[float, float]:
 
 
 def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
-    """Bytes per second this device reads at, and where the figure comes from: the max of
-    ``megabytes`` of float32 (it reads every byte once and does next to nothing else), the
-    best of ``READS`` reads, measured once per process, with their spread in the description
-    (a busy machine shows there); on a TPU, the published v5e figure. Not a matrix-vector
-    product: on a CPU the compiled step's own loops read faster than MKL's
-    (``benchmarks/matvec.py``)."""
+    """Bytes per second this device reads at and where the figure comes from: the best of ``READS`` reads of
+    ``megabytes`` (once per process; the spread in the text), or on a TPU the published figure."""
     if backend.published_bandwidth:
         return backend.published_bandwidth
     best, spread = _probe(backend.name, str(backend.device), megabytes)

@@ -1,11 +1,6 @@
-"""The programs XLA is handed, read without a TPU. PyTorch/XLA's CPU client (the ``xla``
-backend) compiles each graph with XLA, which dumps what it compiled when told to
-(``--xla_dump_to``): the HLO after its optimizations and the buffer assignment. From them, the
-properties that decide a TPU program's speed and fit: 64-bit integer ops (a TPU has none; XLA
-emulates each in 32-bit pairs), which inputs are aliased to outputs (a KV cache written in
-place, or copied whole at every step), the largest intermediate buffer, and the program's
-memory as XLA assigned it. On a TPU, TorchTPU's compile gives its own view
-(``options={"debug_callback": ...}``: StableHLO text), not read by this course."""
+"""The programs XLA is handed, read without a TPU from the ``xla`` backend's dumps (``--xla_dump_to``):
+64-bit integer ops (emulated in 32-bit pairs on a TPU), whether the KV cache is aliased (else copied
+per step), the largest intermediate, and memory. TorchTPU's StableHLO (``debug_callback``) is not read."""
 
 from __future__ import annotations
 
@@ -75,9 +70,8 @@ def aliased(hlo: str) -> dict[int, int]:
 
 
 def s64_ops(hlo: str) -> tuple[dict[str, int], tuple[int, str]]:
-    """Instructions that make a 64-bit integer value, by opcode, in every computation (a TPU
-    emulates each one), and the largest array one of them makes (elements, shape); inputs,
-    constants and the instructions that only rename data (``NOT_WORK``) are left out."""
+    """Instructions making a 64-bit integer value, by opcode, in every computation, and the largest
+    such array (elements, shape); ``NOT_WORK`` instructions left out."""
     counts: dict[str, int] = {}
     largest = (0, "")
     for line in hlo.splitlines():
@@ -101,9 +95,8 @@ def _count(dims: str) -> int:
 
 
 def temporaries(program: Program) -> list[list[tuple]]:
-    """The values of each temporary allocation (neither an input nor an output nor a constant)
-    in the buffer assignment: (bytes, offset, name, shape) per value, one list per allocation
-    (offsets are within it)."""
+    """(bytes, offset, name, shape) of each value, a list per temporary allocation (not an input,
+    output or constant) of the buffer assignment; offsets are within the allocation."""
     found = []
     for block in program.buffers.split("\nallocation ")[1:]:
         head = block.split("\n", 1)[0]
@@ -122,9 +115,8 @@ def largest_intermediate(program: Program) -> tuple[int, str]:
 
 
 def assigned_bytes(program: Program) -> dict[str, int]:
-    """The program's memory as XLA's buffer assignment sizes it: its inputs (parameters), its
-    outputs not aliased to an input, its temporaries, and their total, the most the program
-    holds at once (temporaries share space where their lifetimes do not overlap)."""
+    """The program's memory per XLA's buffer assignment: parameters, outputs not aliased to an input,
+    temporaries (sharing space where lifetimes do not overlap), and their total, its peak."""
     sizes = {"parameters": 0, "outputs": 0, "temporaries": 0}
     for block in program.buffers.split("\nallocation ")[1:]:
         head = block.split("\n", 1)[0]
@@ -146,9 +138,8 @@ def _union(spans: list[tuple[int, int]]) -> int:
 
 
 def upcast_bytes(program: Program) -> int:
-    """Temporary bytes holding float32 copies of bfloat16 inputs (where they lie in the buffer
-    assignment, shared space counted once): XLA's CPU compiler computes a bf16 matmul in
-    float32, so it converts the weight first; a TPU's matrix unit takes bf16 as it is."""
+    """Temporary bytes holding float32 copies of bf16 inputs (shared space once): XLA's CPU compiler
+    runs a bf16 matmul in float32, converting the weight first; a TPU's matrix unit takes bf16."""
     copies = {s.split("{")[0].replace("bf16[", "f32[") for s in parameters(program.hlo).values() if "bf16[" in s}
     return sum(
         _union([(offset, offset + size) for size, offset, _, shape in allocation if shape.split("{")[0] in copies])
@@ -163,9 +154,8 @@ def hlo_shape(tensor) -> str:
 
 
 def audit(program: Program, cache_shapes: list[str] | None = None) -> dict:
-    """One program's row. ``cache_shapes``: HLO shapes of the KV cache buffers (e.g.
-    ``bf16[1,1,256,64]``); the parameters of those shapes are the cache's, and each one not
-    aliased to an output is written whole into a new buffer: its bytes are copied per call."""
+    """One program's row. ``cache_shapes``: HLO shapes of the KV cache buffers; a cache parameter
+    not aliased to an output is copied whole into a new buffer every call."""
     params, alias = parameters(program.hlo), aliased(program.hlo)
     cache = [n for n, shape in params.items() if cache_shapes and shape.split("{")[0] in cache_shapes]
     copied = sum(array_bytes(params[n]) for n in cache if n not in alias)
@@ -188,8 +178,8 @@ def audit(program: Program, cache_shapes: list[str] | None = None) -> dict:
 
 
 def summary(compiled: list[Program], cache_shapes: set[str]) -> dict:
-    """One row's audit columns for the programs a variant compiled (its prefill and its step):
-    the largest of each figure over them, and whether every cache buffer was aliased in all."""
+    """Audit columns over a variant's programs (prefill, step): the largest of each figure, and
+    whether every cache buffer was aliased in all."""
     rows = [audit(p, cache_shapes) for p in compiled]
     rows = [r for r in rows if r["cache_buffers"]]
     if not rows:

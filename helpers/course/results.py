@@ -16,14 +16,8 @@ DRIVE_RUNS = "/content/drive/MyDrive/gemma4-on-tpu/runs"
 
 
 def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder a run's results, reference tokens and charts go to (made if missing).
-
-    Notebooks of one run share it, so a later notebook can read what an earlier one wrote:
-    ``$HELPERS_RUN_DIR`` if set; else, where Google Drive is mounted (Colab gives each notebook
-    a fresh runtime and ``/content``), ``DRIVE_RUNS`` on it, so the results table and notebook
-    03's tokens carry from one notebook to the next; else ``runs/latest`` beside the notebooks'
-    working folder.
-    """
+    """The folder a run's notebooks share: ``$HELPERS_RUN_DIR``, else ``DRIVE_RUNS`` where Drive is
+    mounted (Colab gives each notebook a fresh runtime), else ``runs/latest``."""
     drive = pathlib.Path(DRIVE_RUNS)
     default = drive if drive.parent.parent.is_dir() else pathlib.Path("runs/latest")
     folder = pathlib.Path(path or os.environ.get(RUN_DIR_VAR) or default)
@@ -32,9 +26,8 @@ def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def update_json(path: pathlib.Path, change: Callable, empty=dict):
-    """Read a run folder's JSON file, ``change`` it and write it back, under a lock and in one
-    step: notebooks run side by side (parallel test workers, two Colab tabs) share the folder,
-    and a kernel killed mid-write must not leave half a file. Returns what was written."""
+    """``change`` a run folder's JSON file under a lock (notebooks run side by side), replaced in one
+    step (a kernel killed mid-write leaves no half file). Returns what was written."""
     from filelock import FileLock
 
     with FileLock(f"{path}.lock"):
@@ -46,10 +39,7 @@ def update_json(path: pathlib.Path, change: Callable, empty=dict):
 
 
 class Results:
-    """The series' results table: one row per (step, label), kept in ``results.json``.
-
-    A rerun of a step replaces its row; rows of other steps are kept.
-    """
+    """The series' results table: a row per (step, label) in ``results.json``; a rerun replaces its row."""
 
     def __init__(self, folder: str | os.PathLike | None = None):
         self.path = run_dir(folder) / "results.json"
@@ -71,12 +61,8 @@ class Results:
         return table(self.rows(), columns)
 
     def chart(self, value: str, title: str, source: str | None = None, step: str | None = None, log: bool = False):
-        """A bar chart of ``value`` for every row that has it (of one ``step`` if given), its
-        title naming the model, the device and the run (this run folder). ``source`` names a
-        column holding the source's own figure (E2B on a TPU v5e-1), drawn beside ours, labelled
-        as the source's, only where every row is Google's E2B on a TPU: a twin's or a CPU's
-        figures on one axis with the source's would compare nothing. Saved as ``<value>.png`` in
-        the run folder."""
+        """A bar chart of ``value`` (of one ``step`` if given); the ``source`` column is drawn beside only
+        if every row is E2B on a TPU: a twin's or a CPU's figures beside it would compare nothing."""
         import matplotlib.pyplot as plt
 
         rows = [r for r in self.rows() if r.get(value) is not None and step in (None, r["step"])]

@@ -1,7 +1,6 @@
-"""The series so far, in one call: the model as notebook N leaves it, with the series' prompt,
-generation length and notebook 03's reference tokens. Notebooks 03-08, the tour and the tests
-start from it, so the recipe (load, first forward, strip, 4-bit table) is written once. It sits
-above the lesson modules: it calls them in the order the notebooks do."""
+"""The series so far, in one call: the model as notebook N leaves it, with the prompt, generation
+length and notebook 03's reference tokens. Notebooks 03-08, the tour and the tests start from it, so
+the recipe (load, first forward, strip, 4-bit table) is written once, in the notebooks' order."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from .results import run_dir, update_json
 class Series:
     """What the series has built so far on one backend."""
 
-    checkpoint: ck.Checkpoint
+    checkpoint: hub.Checkpoint
     model: torch.nn.Module  # the text decoder on the backend's device
     tokenizer: object
     ids: torch.Tensor  # the series' chat prompt, [1, L] int64 on the device, BOS first
@@ -34,12 +33,8 @@ class Series:
     _verdicts: dict = dataclasses.field(default_factory=dict, repr=False)  # tokens -> Verdict
 
     def same_tokens(self, tokens: list[int]) -> verdict.Verdict:
-        """Whether ``tokens`` (a run's, up to its first stop) are notebook 03's, over the
-        ``new_tokens`` notebook 03 made (a timed run makes more): teacher-forced against the
-        checkpoint's reference model (built once, on the host, in the series' dtype, dequantized
-        independently of the series' loading path), since two programs round differently with
-        the thread count, the CPU and the compiler: each token its argmax or a near tie
-        (``checkpoint.compare_tokens``)."""
+        """Whether ``tokens`` (cut to ``new_tokens``) are notebook 03's, teacher-forced against the
+        reference model: programs round differently with threads, CPU and compiler."""
         tokens = tokens[: self.new_tokens]
         key = tuple(tokens)  # one teacher-forced forward per distinct list: at full size, seconds each
         if key not in self._verdicts:  # looked up first: a dropped reference model is rebuilt only when needed
@@ -47,46 +42,39 @@ class Series:
         return self._verdicts[key]
 
     def reference_model(self) -> torch.nn.Module:
-        """The checkpoint's reference model, on the host in the series' dtype, built on first use
-        (``checkpoint.reference_model``): what "the same tokens" is judged against."""
+        """The reference model "the same tokens" is judged against, on the host, built on first use."""
         if self._reference_model is None:
-            self._reference_model = verdict.reference_model(self.checkpoint, ck.series_dtype(self.checkpoint))
+            self._reference_model = verdict.reference_model(self.checkpoint, hub.series_dtype(self.checkpoint))
         return self._reference_model
 
     def drop_reference_model(self) -> None:
-        """Free the reference model (a host copy of the text decoder: 9 GB at E2B) until a
-        comparison needs it again, e.g. while a step builds something large beside the series'
-        model; the verdicts already made are kept."""
+        """Free the reference model (9 GB of host memory at E2B) until a comparison needs it again;
+        verdicts made are kept."""
         self._reference_model = None
 
 
 def load_for_series(backend: Backend):
-    """Notebook 02's checkpoint, tokenizer and the series' prompt, loaded as notebooks 03-08 use
-    them: the default compressed path, except where unpacking on the device is not exact; the
-    tiny twin in float32 (``checkpoint.series_dtype``), with float32 matmuls made exact where a
-    backend would run them in bf16 (a TPU: a process-wide setting)."""
+    """Notebook 02's checkpoint, tokenizer and prompt as notebooks 03-08 use them (the twin in float32, its matmuls made
+    exact on a TPU)."""
     checkpoint = hub.choose_checkpoint(backend)
-    dtype = ck.series_dtype(checkpoint)
+    dtype = hub.series_dtype(checkpoint)
     if dtype == torch.float32:
         backend.set_float32_matmuls_exact()
     dequantize = not verdict.unpack_is_exact(backend.device)
     print(hub.preflight(ck.text_config(ck.read_config(checkpoint.path)), backend, dequantize))
-    model, _ = ck.load(checkpoint, backend, dtype=dtype, dequantize=dequantize)
-    tokenizer = ck.load_tokenizer(checkpoint)
+    model, _ = ck.load(checkpoint.path, backend, dtype=dtype, dequantize=dequantize)
+    tokenizer = ck.load_tokenizer(checkpoint.path)
     return checkpoint, model, tokenizer, ck.chat_ids(tokenizer, backend.device)
 
 
 def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
-    """The model as notebook ``after`` leaves it. 3: loaded as the series loads it, with
-    notebook 03's reference tokens from the run folder (made now, and said so, if it has none);
-    4: also decompressed by a first forward and stripped of compressed-tensors' wrappers;
-    5: also the per-layer table in 4-bit; 6: also attention grouped over each K/V head
-    (``ring.group_query_heads``). Prints which checkpoint and backend."""
+    """The model as notebook ``after`` leaves it: 3 loaded, with reference tokens; 4 decompressed and
+    stripped of compressed-tensors' wrappers; 5 the per-layer table in 4-bit; 6 attention grouped."""
     if after not in (3, 4, 5, 6):
         raise ValueError(f"after={after}: the series can be prepared as notebook 3, 4, 5 or 6 leaves it")
     checkpoint, model, tokenizer, ids = load_for_series(backend)
     print(checkpoint)
-    print(backend.describe())
+    print(hub.describe(backend))
     new_tokens = backend.generation_length
     reference = reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens, folder)
     series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference, backend.timed_length)
@@ -95,7 +83,7 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
             model(ids)  # the first forward decompresses the weights, as generate's did
         decode.strip_compressed_wrappers(model)
     if after >= 5:
-        series.table = qtable.keep_table_in_4bit(model, checkpoint)
+        series.table = qtable.keep_table_in_4bit(model, checkpoint.path)
     if after >= 6:
         ring.group_query_heads(model)
     return series
@@ -131,8 +119,7 @@ def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: 
 
 
 def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int, folder=None) -> list[int]:
-    """Notebook 03's reference tokens from the run folder; where this run has none (a notebook
-    opened on its own), HF generate makes them now, and says so."""
+    """Notebook 03's reference tokens from the run folder, else made now with HF generate."""
     try:
         return load_reference(checkpoint, backend, ids, new_tokens, folder)
     except LookupError:

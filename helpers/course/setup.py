@@ -1,8 +1,5 @@
-"""The notebooks' install step: a plan that leaves the runtime consistent, then pip, shown.
-
-Imports no torch: it may replace it, and a torch imported before that would be stale.
-``plan`` is a pure function of what is installed, so Colab's published runtimes are tested here.
-"""
+"""The notebooks' install step: a plan that leaves the runtime consistent, then pip, shown. Imports
+no torch (it may replace it); ``plan`` is pure, so Colab's published runtimes are tested against it."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ..tpu import tpu_chips
+from .tpu import tpu_chips
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # What the notebooks import; the test tools sit in requirements.txt only, and are never installed here.
@@ -32,20 +29,15 @@ XLA_REQUIREMENTS = ROOT / "requirements-xla.txt"
 TORCH_TPU = {"torch_tpu": "0.2.0", "libtpu": "0.0.52"}
 TORCH_TPU_TORCH = SpecifierSet(">=2.11.0,<=2.15.0")
 TORCH_TPU_PYTHON = SpecifierSet(">=3.11,<3.15")  # the wheels it has (cp311 to cp314)
-# PyPI's Linux torch is a CUDA build (~3-4 GB); a TPU needs only the CPU build, which is on
-# PyTorch's own index. That index is added, not used alone: torch's dependencies (setuptools
-# >= 77 for torch 2.13, say) come from the runtime's usual index.
+# PyPI's Linux torch is a CUDA build (~3-4 GB); a TPU needs the CPU build, from this extra index.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-# Each is built against one torch: when torch moves they would fail to load (and transformers
-# imports torchvision if present), so they are removed; the course uses none of them.
+# Built against one torch: removed when torch moves (transformers imports torchvision if present).
 TORCH_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
 # PyTorch/XLA registers the same TPU a second way and pins its own torch: not beside TorchTPU.
 CLASHES_WITH_TORCH_TPU = ("torch_xla",)
-# The runtime's own version will do (the notebooks use long-stable parts of them; Colab imports
-# the first three at start, so replacing them would ask for a restart).
+# The runtime's version will do (Colab imports the first three at start: replacing them needs a restart).
 RUNTIME_VERSION_WILL_DO = {"matplotlib": ">=3.5", "ipywidgets": ">=7.6", "tqdm": ">=4.60", "filelock": ">=3.0"}
-# compressed-tensors 0.16 and later need torch >= 2.10: beside an older torch that a runtime
-# without a TPU keeps, the version CI's xla job runs with torch 2.9.
+# compressed-tensors >= 0.16 needs torch >= 2.10: beside an older torch, CI's xla job's version.
 NEEDS_TORCH_2_10 = ("compressed-tensors",)
 _TORCH_STACK = {"torch", "torch-tpu", "libtpu", "torch-xla", *TORCH_COMPANIONS}
 
@@ -55,14 +47,14 @@ class SetupError(RuntimeError):
 
 
 class RestartNeeded(RuntimeError):
-    """Raised after an install that replaced something this Python had already imported: no
-    later cell may run on the stale copy. In a notebook it shows as its message alone."""
+    """An install replaced something already imported: no later cell may run on the stale copy.
+    A notebook shows its message alone."""
 
 
 @dataclasses.dataclass
 class Plan:
-    """What to change: ``uninstall`` first, then ``torch`` (from the CPU index), then ``install``;
-    ``constraints`` (tested ranges) hold on every pip call, so pip's own resolution keeps them."""
+    """``uninstall``, then ``torch`` (from the CPU index), then ``install``; ``constraints`` (tested
+    ranges) hold on every pip call."""
 
     torch: str | None = None
     install: list[str] = dataclasses.field(default_factory=list)
@@ -83,15 +75,13 @@ class Plan:
         ]
 
     def stale(self, modules, names: dict[str, set[str]]) -> list[str]:
-        """What this plan changes under a Python that imported ``modules``, by the import names
-        of each distribution (``names``, from ``import_names``)."""
+        """What this plan changes that a Python which imported ``modules`` has in memory."""
         return stale_imports(set(self.changed()), modules, names)
 
 
 def import_names() -> dict[str, set[str]]:
-    """Each installed distribution's top-level import names, read from its installed files
-    (``importlib.metadata.packages_distributions``): pyzmq is imported as ``zmq``, PyYAML as
-    ``yaml``, setuptools also as ``_distutils_hack``."""
+    """Each installed distribution's top-level import names (pyzmq: ``zmq``, PyYAML: ``yaml``,
+    setuptools also ``_distutils_hack``)."""
     names = collections.defaultdict(set)
     for module, distributions in importlib.metadata.packages_distributions().items():
         for distribution in distributions:
@@ -100,10 +90,8 @@ def import_names() -> dict[str, set[str]]:
 
 
 def stale_imports(changed: set[str], modules, names: dict[str, set[str]]) -> list[str]:
-    """The distributions among ``changed`` (installed, replaced or removed) that a Python which
-    imported ``modules`` has in memory: one of their import names is among ``modules``; and
-    torch if it imported torch and the torch stack moves (TorchTPU registers itself when torch
-    is imported). A distribution this Python never had has no import name here, so it is not."""
+    """The distributions among ``changed`` that a Python which imported ``modules`` has in memory;
+    also torch if imported and the torch stack moves (TorchTPU registers itself on torch's import)."""
     imported = {m.split(".")[0] for m in modules}
     stale = sorted(n for n in changed if names.get(n, set()) & imported)
     if "torch" in imported and "torch" not in stale and _TORCH_STACK & changed:
@@ -135,8 +123,7 @@ def pins(path: pathlib.Path = REQUIREMENTS) -> dict[str, str]:
 
 
 def ranges(path: pathlib.Path = REQUIREMENTS) -> dict[str, str]:
-    """``name: specifier`` for every line of the requirements file that is a tested range, not
-    one version (``setuptools>=77.0.3,<82``): kept by pip as a constraint on every install."""
+    """``name: specifier`` for every tested range, not one version (``setuptools>=77.0.3,<82``)."""
     return {r.name: str(r.specifier) for r in _requirements(path) if not any(s.operator == "==" for s in r.specifier)}
 
 
@@ -148,16 +135,8 @@ def plan(
     python: tuple[int, int] | None = None,
     ranged: dict[str, str] | None = None,
 ) -> Plan:
-    """What to install and remove so that the notebooks run, given ``installed`` (name: version)
-    under Python ``python`` (this one's by default). ``ranged`` (name: specifier, ``ranges()``)
-    become the plan's constraints, and are installed where missing.
-
-    Outside Colab only what is missing (an environment of your own keeps its versions). In
-    Colab also what is at another version, except the runtime's own torch and the packages
-    whose runtime version will do. On a TPU machine, TorchTPU and a torch it supports (the CPU
-    build): if torch must move, its companions are removed with it; PyTorch/XLA is removed
-    beside TorchTPU.
-    """
+    """What to install and remove so the notebooks run: what is missing; in Colab other versions too (not its torch); on
+    a TPU, TorchTPU and a CPU torch it supports."""
     python = python or sys.version_info[:2]
     installed = {_norm(n): v for n, v in installed.items()}
     ranged = ranged or {}
@@ -203,9 +182,8 @@ def installed_versions() -> dict[str, str]:
 
 
 def _pip(*args: str) -> None:
-    """pip, its output printed line by line as it comes (a notebook shows what this Python
-    prints, not what a subprocess writes), less the "already satisfied" lines; raises with its
-    last lines when it fails."""
+    """pip, its output printed by this Python (a notebook does not show a subprocess's), less the
+    "already satisfied" lines; raises with its last lines."""
     run = subprocess.Popen(
         [sys.executable, "-m", "pip", *args],
         stdout=subprocess.PIPE,
@@ -239,8 +217,8 @@ def moved(before: dict[str, str], after: dict[str, str], todo: Plan) -> list[str
 
 
 def unmatched_extras(changed: set[str]) -> list[str]:
-    """Installed distributions whose optional extras no longer match a changed package (``pip
-    check`` skips extras: jax's ``tpu`` extra pins the libtpu its TPU support was built with)."""
+    """Extras that no longer match a changed package (``pip check`` skips extras: jax's ``tpu``
+    extra pins its libtpu)."""
     versions, out = installed_versions(), []
     for dist in importlib.metadata.distributions():
         for line in dist.requires or []:
@@ -261,8 +239,7 @@ def unmatched_extras(changed: set[str]) -> list[str]:
 
 
 def pip_check(changed: set[str]) -> tuple[list[str], int]:
-    """``pip check``'s lines that name a changed package, and how many others it printed (those
-    the runtime had before)."""
+    """``pip check``'s lines naming a changed package, and how many others (the runtime's own)."""
     run = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True)
     lines = [line for line in run.stdout.splitlines() if line and not line.startswith("No broken requirements")]
     ours = [line for line in lines if any(_norm(w) in changed for w in re.findall(r"[A-Za-z0-9_.\-]+", line))]
@@ -270,8 +247,8 @@ def pip_check(changed: set[str]) -> tuple[list[str], int]:
 
 
 def _one_line_in_ipython(error: type[BaseException]) -> None:
-    """Have IPython show ``error`` as its message alone, with no traceback (a ``SystemExit``
-    would add IPython's "To exit: use 'exit'" warning); the cell still fails, so Run all stops."""
+    """Have IPython show ``error`` as its message alone; the cell still fails, so Run all stops
+    (a ``SystemExit`` would add IPython's "To exit" warning)."""
     try:
         from IPython import get_ipython  # only inside IPython: a script shows the usual traceback
     except ImportError:
@@ -282,9 +259,8 @@ def _one_line_in_ipython(error: type[BaseException]) -> None:
 
 
 def install_missing() -> None:
-    """In Colab, carry out ``plan`` for this runtime, pip's output shown, then say what else
-    moved and what no longer matches; elsewhere only say what is missing. Raises
-    ``RestartNeeded`` when it replaced something already imported."""
+    """In Colab, carry out ``plan``, then say what else moved and what no longer matches; elsewhere
+    say what is missing. Raises ``RestartNeeded`` when it replaced something already imported."""
     colab = "google.colab" in sys.modules
     todo = plan(installed_versions(), pins(), tpu=bool(tpu_chips()), colab=colab, ranged=ranges())
     if not todo:

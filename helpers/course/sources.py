@@ -1,7 +1,7 @@
 """What others measured, each figure with where it comes from: the only place the course types
-a number it did not measure or compute, but for two kinds kept where they are used: the
-published specs of the TPU the course targets (``backend.V5E_*``: bandwidth, peaks, the HBM a
-v5e-1 gives programs) and the source's long context (``e2b.CONTEXT``, 131,328 positions).
+a number it did not measure or compute, but for two kinds kept where they are used: the v5e's
+published bandwidth and the HBM a v5e-1 gives programs (``backend.V5E_*``, the backend's policy)
+and the source's long context (``e2b.CONTEXT``, 131,328 positions).
 Everything else a notebook shows is measured in its run or computed from the real configuration.
 
 The source study is "PyTorch on TPU: Hands On With Colab": Gemma 4 E2B (4-bit QAT) with
@@ -27,3 +27,7 @@ JAX_BF16_TOK_S = 135.0  # a pure-JAX engine, bf16 weights unpacked once at load 
 # 3,880-record suite (+0.003, -0.007 to +0.013) and on GSM8K (-2.0 points, devto-gemma4-qat-v5e1.md)
 VLLM_E2B_TOK_S = {"bf16": 144, "W8A8": 220, "bf16 + assistant": 346, "W8A8 + assistant": 395}
 W8A8_VS_BF16 = {"suite": 0.003, "GSM8K points": -2.0}
+# TPU v5e as published: Google's bf16 peak of one chip; the int8 peak, "393 TOPS (exactly 2x bf16)"
+# (xbill9/gemma4-dev, tpu-vllm-v5e1-2b/devto-vllm-gemma4-e2b-v5e1.md)
+V5E_BF16_FLOPS = 197e12
+V5E_INT8_OPS = 393e12

@@ -1,24 +1,9 @@
-"""A synthetic Gemma 4 E2B checkpoint at full size: the file set, tensor names, shapes, dtypes
-and format of Google's `-ct` export, with seeded random weights, so the series can run at E2B
-scale where the real weights cannot be downloaded. It answers nothing sensible: it is there for
-bytes, times, memory and programs, never for text.
-
-What is Google's (from the real configuration, ``e2b_config.json``, and others' published
-measurements): one ``model.safetensors`` of 2,504 tensors; the multimodal wrapper with the text
-decoder under ``model.language_model.*``; 276 linears ``pack-quantized`` (int4, group 32,
-``weight_packed`` / ``weight_scale`` / ``weight_shape``, bf16 scales, no zero point); the two
-embedding tables bf16(level x step) with float32 steps finer than bf16; an ``lm_head`` copy;
-``generation_config.json`` stopping at ids 1 and 106; Gemma 4's chat template.
-
-What is chosen here, the real facts being unknown: the towers are transformers' default
-``Gemma4VisionConfig(use_clipped_linears=True)`` and ``Gemma4AudioConfig()``: 658 vision and
-751 audio tower tensors and an embedder each, 0.95 GB, which makes the export's 2,504 tensors; the tokenizer is a small byte-level BPE
-with the special tokens at their real ids (``<|turn>`` 105, ``<turn|>`` 106; ``<|think|>``,
-``<|channel>``, ``<channel|>`` at 107-109, chosen), padded to the real vocabulary with
-``<unusedN>`` entries; the weights' scales (each linear's output about unit variance for a
-unit-variance input, table values of standard deviation 0.03, codes -7..7, the layers' scalars
-0.9 and the query/key norms 0.1: see ``LAYER_SCALAR``).
-"""
+"""A synthetic full-size Gemma 4 E2B checkpoint in the file set and format of Google's `-ct` export
+(per ``e2b_config.json`` and published measurements: 2,504 tensors, 276 ``pack-quantized`` linears,
+bf16 tables on a float32-step grid, an ``lm_head`` copy, stop ids 1 and 106), with seeded random
+weights: for bytes, times, memory and programs at E2B scale, never for text. Chosen here: towers of
+transformers' default configs (658 + 751 tensors, 0.95 GB), a small BPE with the real special ids
+(thinking tokens at 107-109, chosen), and the weights' scales (see ``LAYER_SCALAR``)."""
 
 from __future__ import annotations
 
@@ -42,15 +27,12 @@ TABLE_STD = 0.03  # the tables' values
 # Codes and levels are uniform in -7..7, not -8..7: a mean of -0.5 would give every linear's
 # output and every table row a common part, and greedy decoding then picks one token forever.
 CODE_STD = (224 / 12) ** 0.5  # of codes uniform in -7..7
-# Each layer scales the whole residual stream by its scalar: at 1.0 the 35 layers' attention
-# outputs (averages over the context, alike from step to step) pile up and greedy decoding
-# answered one token forever (measured at full size); below it the last layers' work on the
-# current token decides. Random weights also make a chaotic network, unlike a trained one: with
-# q_norm and k_norm at 1 the attention is sharp, and a 2**-9 relative change of the embeddings
-# (less than bf16 rounding) left logits correlated at 0.07-0.17 with the unchanged ones, so two
-# programs rounding differently gave unrelated tokens (measured at full size). With the
-# query/key norms at 0.1 and the scalar at 0.9: correlation 0.999, the same top token, and 8
-# greedy tokens still 8 different ones.
+# Measured at full size: with each layer's scalar at 1.0 the 35 layers' attention outputs (alike
+# from step to step) pile up and greedy decoding repeats one token forever. With q_norm and k_norm
+# at 1 random weights are chaotic: a 2**-9 relative change of the embeddings (below bf16 rounding)
+# left logits correlated at 0.07-0.17, so differently rounding programs gave unrelated tokens. At
+# 0.1 and 0.9: correlation 0.999, the same top token, and 8 greedy tokens still 8 different ones.
+# (Weights: linear outputs about unit variance, table std 0.03, codes -7..7.)
 LAYER_SCALAR = 0.9
 QK_NORM = 0.1  # q_norm and k_norm weights: a soft attention, not a chaotic one
 ROWS_PER_CHUNK = 4096  # a table is written in chunks of rows: its float32 product would not fit at once
@@ -71,8 +53,7 @@ def _words(shape, generator: torch.Generator):
 
 
 def _table_rows(shape, name: str, seed: int):
-    """A table in row chunks, bf16(level x step): levels -7..7, one float32 step per group of 32
-    (finer than bf16: no bf16 scale gives the values back), as Google's tables are."""
+    """A table in row chunks, bf16(level x step) as Google's: levels -7..7, a float32 step per group."""
     rows, cols = shape
     generator = _generator(name, seed)
     for start in range(0, rows, ROWS_PER_CHUNK):
@@ -83,8 +64,7 @@ def _table_rows(shape, name: str, seed: int):
 
 
 def _entries(config, text_model, towers: dict[str, torch.Size], seed: int):
-    """(name, dtype, shape, chunks) for every tensor, in the order they are written; ``chunks()``
-    makes the tensor's data, in pieces where it is large."""
+    """(name, dtype, shape, chunks) per tensor in write order; ``chunks()`` makes its data in pieces."""
     linears = {n for n, m in text_model.model.named_modules() if isinstance(m, torch.nn.Linear)}
     state = text_model.state_dict()
     for name, tensor in state.items():
@@ -140,9 +120,8 @@ def _entries(config, text_model, towers: dict[str, torch.Size], seed: int):
 
 
 def write_safetensors(path: pathlib.Path, entries) -> int:
-    """The safetensors layout (an 8-byte header size, the JSON header, each tensor's bytes in
-    order), written tensor by tensor: safetensors' own ``save_file`` takes every tensor in memory
-    at once, 7.75 GB here. Returns the bytes written."""
+    """Write the safetensors layout tensor by tensor (``save_file`` holds all in memory: 7.75 GB
+    here); returns the bytes written."""
     entries = list(entries)
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape, _ in entries:
@@ -160,8 +139,8 @@ def write_safetensors(path: pathlib.Path, entries) -> int:
 
 
 def _tokenizer(folder: pathlib.Path, vocab_size: int):
-    """A byte-level BPE trained on the twin's chat corpus, its special tokens at the real ids,
-    padded with ``<unusedN>`` entries to ``vocab_size`` so every id the model makes decodes."""
+    """A byte-level BPE on the twin's corpus, special tokens at the real ids, padded with
+    ``<unusedN>`` to ``vocab_size`` so every id decodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -192,9 +171,8 @@ def _tokenizer(folder: pathlib.Path, vocab_size: int):
 
 
 def build_synthetic_e2b(folder: str | os.PathLike | None = None, seed: int = 0, text_config=None, towers=None):
-    """Build (or reuse from the cache) the synthetic checkpoint; returns its folder. Defaults:
-    E2B's real text configuration and the chosen towers. ``text_config`` and ``towers`` (vision
-    and audio configs) build a smaller one by the same code, for tests."""
+    """Build (or reuse from the cache) the synthetic checkpoint; returns its folder. ``text_config``
+    and ``towers`` (vision, audio configs) build a smaller one for tests."""
     from transformers import (
         Gemma4AudioConfig,
         Gemma4Config,

@@ -38,11 +38,9 @@ class Timing:
 
 
 def host_read(out) -> None:
-    """Bring one number of ``out`` (its first tensor's last element; a list of ints is on the host
-    already) to the host. A timed call ends only when its result is there: a device's synchronize
-    alone may return before compiled work ran (TorchTPU's did, before torch_tpu#2494: a compiled
-    op timed at 0.1 ms against 89 ms, pytorch/helion#3155), and a lazy backend computes nothing
-    that is never read."""
+    """Bring one number of ``out`` to the host: a timed call ends only when its result is there. A
+    device's synchronize alone may return early (TorchTPU's did before torch_tpu#2494: a compiled
+    op timed at 0.1 ms against 89 ms, pytorch/helion#3155); a lazy backend computes nothing unread."""
     if isinstance(out, Mapping):  # a model's output: its logits
         out = list(out.values())
     if isinstance(out, (list, tuple)):  # a step's (token, position): the token
@@ -54,9 +52,8 @@ def host_read(out) -> None:
 def time_fn(
     fn: Callable, *args, sync: Callable[[], None], warmup: int = 2, repeats: int = 10, desc: str | None = None, **kwargs
 ) -> Timing:
-    """Time ``fn(*args, **kwargs)``: ``warmup`` untimed calls, then ``repeats`` timed ones, each
-    ending on a host read of its output (``host_read``) and ``sync``, which waits for the rest of
-    the device's queue (``backend.sync``): an asynchronous device returns before the work is done."""
+    """Time ``fn(*args, **kwargs)`` after ``warmup`` calls; each call ends on ``host_read`` of its
+    output and ``sync`` (the rest of the device's queue)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     for _ in range(warmup):
@@ -74,8 +71,7 @@ def time_fn(
 
 
 def time_fed(step: Callable, state: tuple, *, sync: Callable[[], None], repeats: int, warmup: int = 0) -> Timing:
-    """``time_fn`` for a step fed its own output, as a decode step is fed its last token and
-    position: each call is ``state = step(*state)``."""
+    """``time_fn`` for a step fed its own output (``state = step(*state)``), as a decode step is."""
     box = [state]
 
     def fed():
@@ -86,9 +82,8 @@ def time_fed(step: Callable, state: tuple, *, sync: Callable[[], None], repeats:
 
 
 def host_peak_bytes() -> int | None:
-    """This process's peak resident host memory since it started or since the last
-    ``reset_host_peak()``: Linux's VmHWM (None elsewhere). It counts the pages of a memory-mapped
-    checkpoint the process touched, as the kernel does."""
+    """Peak resident host memory since start or ``reset_host_peak()``: Linux's VmHWM (None elsewhere),
+    counting the touched pages of a memory-mapped checkpoint."""
     try:
         status = pathlib.Path("/proc/self/status").read_text()
     except OSError:
@@ -98,7 +93,6 @@ def host_peak_bytes() -> int | None:
 
 
 def reset_host_peak() -> None:
-    """Start a new peak for ``host_peak_bytes`` from the memory in use now (Linux only): a peak
-    per phase, not per process."""
+    """Start a new peak for ``host_peak_bytes`` from now (Linux only): a peak per phase."""
     with contextlib.suppress(OSError):
         pathlib.Path("/proc/self/clear_refs").write_text("5")

@@ -1,12 +1,8 @@
-"""The main job: the notebooks themselves, executed in order as a reader runs them (a kernel each,
-this machine's default threads), each appending its rows to one results table; then the table
-and the series' charts.
+"""The main job: the notebooks run in order as a reader runs them, then the results table and the charts.
+Each notebook runs in a kernel of its own with default threads, appends its rows and is saved with its outputs; a
+failing cell stops the tour there.
 
     python -m helpers.course.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour] [--notebooks 01 03]
-
-Runs on the tiny offline model where no TPU or real weights are at hand. Each executed notebook
-is saved, outputs and all, in the run folder; a cell that fails stops the tour there, with the
-notebook saved as far as it ran.
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ class NotebookFailed(RuntimeError):
 
 
 def notebooks(numbers: list[str] | None = None) -> list[pathlib.Path]:
-    """The series' notebooks in order (``.ipynb``, what Colab opens), or those whose number is in
-    ``numbers`` ("01", "03", ...); an unknown number is refused with the ones there are."""
+    """The series' notebooks in order, or those numbered in ``numbers`` ("01", "03", ...)."""
     found = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
     if not numbers:
         return found
@@ -65,9 +60,8 @@ def notebooks(numbers: list[str] | None = None) -> list[pathlib.Path]:
 
 
 def execute(path: pathlib.Path, folder: pathlib.Path, env: dict[str, str]) -> float:
-    """Run every cell of the notebook at ``path`` in a fresh kernel with ``env`` (its working
-    folder the notebooks' own), a progress bar over its code cells; save it with its outputs in
-    ``folder``. Returns the seconds it took; raises ``NotebookFailed`` at a failing cell."""
+    """Run the notebook in a fresh kernel with ``env`` and save it with its outputs in ``folder``.
+    Returns the seconds it took; raises ``NotebookFailed`` at a failing cell."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError

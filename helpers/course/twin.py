@@ -1,23 +1,8 @@
-"""The tiny offline twin of Google's 4-bit Gemma 4 E2B checkpoint.
-
-Same model class (`Gemma4ForConditionalGeneration`, text decoder under
-`model.language_model.*`, tiny vision and audio towers beside it), same format
-(compressed-tensors `pack-quantized`, symmetric int4, group 32, packed with
-compressed-tensors' own compressor), same file set (`generation_config.json` with its list
-of stop ids, `chat_template.jinja`, a processor config) and the same quirks: a separate
-`lm_head` copy although the embeddings are tied; a tokenizer that does not add BOS by itself;
-embedding tables kept in bf16 on a 4-bit grid, each value bf16(level x step) with a float32
-step finer than bf16, as in Google's export (published measurements: no one bf16 or fp16 scale
-per group reproduces its values); Gemma 4's turn format (`<|turn>`, `<turn|>`, a system turn
-with `<|think|>` that lets the model open a thinking channel, `<|channel>thought ... <channel|>`).
-
-It is trained for seconds on a small chat corpus (seeded, then cached), so that its greedy
-answer to the series' prompt is readable and ends its turn (`<turn|>`, a stop id) within
-the series' generation length, as the instruction-tuned model does; asked with thinking on, it
-opens a thinking channel first. Training sees its weights
-on the 4-bit grid (straight-through), as QAT does, so they stay there and 4-bit storage of them
-is exact: every later step can prove identical tokens.
-"""
+"""The tiny offline twin of Google's 4-bit Gemma 4 E2B checkpoint: same class, format, files and
+quirks (an `lm_head` copy beside tied embeddings, no BOS added, bf16 tables on a 4-bit grid with a
+float32 step: published measurements find no bf16 or fp16 scale per group for Google's). Trained for
+seconds (seeded, cached) to end its turn readably, on the 4-bit grid (straight-through, as QAT), so
+4-bit storage is exact and every step can prove identical tokens."""
 
 from __future__ import annotations
 
@@ -111,12 +96,8 @@ def cache_dir() -> pathlib.Path:
 
 
 def on_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """``weight`` moved onto a 4-bit grid: per group of ``group_size`` values along the last
-    dimension, integer codes in [-8, 7] times one power-of-two scale.
-
-    Returns (the weight on the grid, in its dtype; the scales, one per group). A power of two
-    times a 4-bit integer is exact in bf16, so nothing is lost in any later dtype.
-    """
+    """``weight`` on a 4-bit grid (per group along the last dim: codes in [-8, 7] times a power-of-two
+    scale, exact in bf16), and the scales."""
     groups = weight.float().reshape(*weight.shape[:-1], -1, group_size)
     peak = groups.abs().amax(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
     scale = torch.exp2(torch.ceil(torch.log2(peak / 7)))
@@ -125,10 +106,8 @@ def on_grid(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.T
 
 
 def on_bf16_grid(weight: torch.Tensor, other_way: torch.Tensor, group_size: int = GROUP_SIZE) -> torch.Tensor:
-    """``weight`` on a 4-bit grid as Google's bf16 QAT tables hold it: per group, codes -8..7
-    times a float32 step (the smallest that reaches both ends: finer than bf16, no power of
-    two), the product rounded once to bf16, so no bf16 scale gives the values back. Groups where
-    ``other_way`` [rows, groups] is set use codes -7..8, the grid centred the other way."""
+    """``weight`` as Google's bf16 QAT tables hold it: codes -8..7 (-7..8 where ``other_way``) times
+    the smallest float32 step reaching both ends, rounded once to bf16 (no bf16 scale recovers it)."""
     groups = weight.float().reshape(*weight.shape[:-1], -1, group_size)
     top, bottom = groups.amax(-1, keepdim=True).clamp_min(0), (-groups.amin(-1, keepdim=True)).clamp_min(0)
     other_way = other_way[..., None]
@@ -139,10 +118,8 @@ def on_bf16_grid(weight: torch.Tensor, other_way: torch.Tensor, group_size: int 
 
 
 def _train(model, tokenizer, steps: int = TRAIN_STEPS) -> list[float]:
-    """A few hundred AdamW steps on ``CHATS`` (and ``THINKING_CHATS`` with thinking on) in chat
-    format, each turn ending in <turn|>,
-    with the text decoder's weights snapped onto their 4-bit grids in every forward and the
-    gradient passed straight through to the unsnapped copy (QAT's trick). Returns the losses."""
+    """AdamW on the chats in chat format, the text decoder's weights snapped onto their 4-bit grids
+    in every forward, gradients passed straight through to the unsnapped copy (QAT). Returns the losses."""
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": q}, {"role": "assistant", "content": a}],
@@ -216,8 +193,7 @@ def _tokenizer(folder: pathlib.Path):
 
 
 def quantization_config():
-    """Google's quantization config, as compressed-tensors' ``QuantizationConfig``: the text
-    decoder's linears symmetric int4, group 32, saved ``pack-quantized``; the rest bf16."""
+    """Google's quantization config: text decoder linears symmetric int4, group 32, ``pack-quantized``."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP_SIZE)
@@ -239,8 +215,8 @@ def build_tiny_twin(folder: str | os.PathLike | None = None, seed: int = 0) -> p
 
 @contextlib.contextmanager
 def building(folder: pathlib.Path):
-    """Whether ``folder`` holds a finished build (its ``twin.json``, written last), under a lock:
-    parallel test workers asking for the same twin build it once, the others wait for it."""
+    """Whether ``folder`` holds a finished build (``twin.json`` is written last), under a lock so
+    parallel test workers build it once."""
     from filelock import FileLock
 
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -298,8 +274,7 @@ def _build_twin(folder: pathlib.Path, seed: int) -> None:
 
 
 def _greedy_answer(model, tokenizer) -> str:
-    """The twin's greedy answer to the series' prompt, special tokens kept, computed in float32
-    as the series runs it (on a float32 copy: ``model`` is left as it is)."""
+    """The greedy answer to the series' prompt, special tokens kept, on a float32 copy as the series runs it."""
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     ).input_ids

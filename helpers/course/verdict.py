@@ -9,21 +9,17 @@ import re
 import torch
 
 from ..backend import Backend
-from ..checkpoint import Checkpoint, read_config, text_config, unload
+from ..checkpoint import read_config, text_config, unload
 from ..generate import greedy_config
 from ..packed import GROUP_SIZE, CheckpointTensors, text_key
+from .hub import Checkpoint
 from .tables import fmt_bytes
 from .timing import host_peak_bytes
 
 
 def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):
-    """A plain text model on the host whose weights are the checkpoint's, dequantized here with
-    compressed-tensors' own unpack (codes x scales), independent of the loading path above.
-
-    Sized for a Colab host: only the text decoder's tensors are read (never the towers, nor the
-    redundant lm_head copy), each packed weight is dequantized once, straight into ``dtype``;
-    the process's peak host memory is printed. Its generation config (the stop ids) is the
-    checkpoint's own, as ``from_pretrained`` would read it."""
+    """A plain text model on the host, dequantized with compressed-tensors' own unpack, independent
+    of the loading path. Sized for a Colab host: text decoder tensors only, each dequantized once."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from transformers import Gemma4ForCausalLM, GenerationConfig
 
@@ -57,15 +53,14 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
 
 
 def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """HF ``generate``'s greedy tokens after ``ids``: at most ``new_tokens``, up to and
-    including the first stop id, as notebook 03's reference."""
+    """HF ``generate``'s greedy tokens after ``ids`` (at most ``new_tokens``, through the first stop id)."""
     out = model.generate(ids, generation_config=greedy_config(model, new_tokens))
     return out.sequences[0, ids.shape[1] :].tolist()
 
 
 def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """The reference model's greedy tokens, computed on the same device as the loads they
-    check (bf16 rounding differs between devices), one model on the device at a time."""
+    """The reference model's greedy tokens on the device of the loads they check (bf16 rounding
+    differs between devices)."""
     reference = reference_model(checkpoint).to(backend.device)
     tokens = greedy_tokens(reference, ids, new_tokens)
     unload(reference, backend)
@@ -77,25 +72,15 @@ NEAR_TIE_ULPS = 4  # two programs rounding differently move a logit by a few uni
 
 
 def ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One unit in the last place of each of ``values`` at ``dtype``'s precision: bf16 keeps 8
-    significant bits (``finfo.eps`` 2**-7), float32 24 (2**-23)."""
+    """One unit in the last place of each of ``values`` at ``dtype`` (bf16: 2**-7 relative; float32: 2**-23)."""
     exponent = torch.floor(torch.log2(values.float().abs().clamp_min(torch.finfo(torch.float32).tiny)))
     return torch.exp2(exponent) * torch.finfo(dtype).eps
 
 
 @dataclasses.dataclass
 class Verdict:
-    """Whether a run's tokens are the reference's, and how that was decided.
-
-    ``exact``: compared as lists, which holds only where the two runs' arithmetic is the same
-    by construction (one program twice). Otherwise teacher-forced against a reference model:
-    each token must be its argmax there, or within ``tolerance_ulps`` units in the last place
-    of the top logit (in ``dtype``, the reference's logits') of it, a near tie.
-    ``first_divergence``: the first position where the lists part (None if they do not);
-    ``gap``: the reference's logit gap there (teacher-forced); ``failed_at``: the first token
-    that is no near tie, or where one list ends and the other goes on with the same tokens;
-    ``near_ties``: (position, gap) of every near tie met; ``largest_ulps``: the largest gap
-    seen at a token that is not the argmax, in ulps (0: every token is the argmax)."""
+    """Whether a run's tokens are the reference's: ``exact`` lists, else teacher-forced, each token the argmax or within
+    ``tolerance_ulps`` ulps of it; ``failed_at``: the first that is neither."""
 
     same: bool
     exact: bool
@@ -133,9 +118,8 @@ class Verdict:
 
 
 def teacher_forced_gaps(model, ids: torch.Tensor, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of the prompt ``ids`` [1, L] and ``tokens`` through ``model`` (no cache): at
-    each generated position, the top logit less the logit of the token there (0: its argmax),
-    and one unit in the last place of the top logit at the logits' dtype."""
+    """One uncached forward of ``ids`` [1, L] and ``tokens``: per generated position, the top logit less
+    the token's (0: its argmax), and the top logit's ulp at the logits' dtype."""
     device = next(model.parameters()).device
     full = torch.cat([ids.cpu(), torch.tensor([tokens], dtype=ids.dtype)], dim=1).to(device)
     with torch.no_grad():  # the head on the generated positions only: a long prompt's logits are vocab-wide
@@ -149,10 +133,8 @@ def teacher_forced_gaps(model, ids: torch.Tensor, tokens: list[int]) -> tuple[to
 def compare_tokens(
     tokens: list[int], reference: list[int], model=None, ids=None, tolerance_ulps: int = NEAR_TIE_ULPS
 ) -> Verdict:
-    """The one comparison of the series. With the reference ``model`` and the prompt ``ids``:
-    teacher-forced, each of ``tokens`` the model's argmax after the ones before it, or a near
-    tie. Without ``model``: the lists must be equal, for two runs whose arithmetic is the same
-    by construction (one program, run twice on the same inputs)."""
+    """The series' one comparison: teacher-forced against ``model`` on prompt ``ids``; without
+    ``model`` the lists must be equal (for one program run twice on the same inputs)."""
     parted = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
     ended = None  # the same tokens, but one list stops where the other goes on: no tie explains that
     if parted is None and len(tokens) != len(reference):
@@ -172,13 +154,8 @@ def compare_tokens(
 
 
 def unpack_is_exact(device) -> bool:
-    """Whether compressed-tensors' own unpack returns the packed int4 codes on ``device``.
-
-    The default load path unpacks on the device at the first forward; on PyTorch/XLA 2.9
-    with compressed-tensors 0.15 this returns wrong codes (measured: about half of them):
-    its unpack shifts int32 words right, and there `>>` of a negative word rounds like a
-    division, off by one in every word with the top bit set.
-    """
+    """Whether compressed-tensors' own unpack gives the packed codes on ``device``: on PyTorch/XLA 2.9 it does not
+    (``>>`` of a negative int32 rounds like a division)."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 
     codes = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 4)

@@ -14,16 +14,14 @@ from .tables import fmt_bytes
 
 def text_widget():
     """An ipywidgets HTML box, shown in the notebook, for ``StepStreamer`` to write into."""
-
     widget = ipywidgets.HTML()
     display(widget)
     return widget
 
 
 def chat_widget(chat: Chat):
-    """An ipywidgets chat on ``chat``: type a message, then Enter or Send; the reply streams in
-    with live tok/s (``StepStreamer``), then the context and the cache's bytes. Returns the
-    widget; its ``submit(text)`` sends a message as the button does (a scripted conversation)."""
+    """An ipywidgets chat on ``chat``: the reply streams in with live tok/s, then the context and
+    cache bytes. The widget's ``submit(text)`` sends a message as the button does (for scripts)."""
     w = ipywidgets
 
     log, live = w.HTML(), w.HTML()

@@ -1,15 +1,14 @@
-"""The TPU chips on this machine, as TorchTPU finds them: read from sysfs without touching any TPU
-client, so asking is cheap and safe anywhere (no torch is imported)."""
+"""The TPU chips on this machine, as TorchTPU finds them: read from sysfs without touching any TPU client (nor
+importing torch), so asking is cheap and safe anywhere."""
 
 import glob
 import os
 
 GOOGLE_PCI_VENDOR = "0x1ae0"
-# The TPU chips TorchTPU 0.2.0 drives, by PCI device id: its own table
-# (torch_tpu/_internal/utils/hardware.py). The vendor id alone is not a TPU: Google's gVNIC
-# network card (device 0x0042) reports it too.
+# TorchTPU 0.2.0's own table (torch_tpu/_internal/utils/hardware.py) of the chips it drives, by PCI device id.
+# The vendor id alone is not a TPU: Google's gVNIC network card (device 0x0042) reports it too.
 TPU_PCI_DEVICES = {"0x005e": "v4", "0x0062": "v5p", "0x0063": "v5e", "0x006f": "v6e", "0x0076": "v7"}
-# Older TPUs, named only to say why they are not used: TorchTPU 0.2.0 does not drive them.
+# Older TPUs, named only to say why TorchTPU 0.2.0 does not use them.
 OLDER_TPU_PCI_DEVICES = {"0x0027": "v2 or v3", "0x0056": "a TPU of device id 0x0056"}
 
 
@@ -22,9 +21,8 @@ def _read(path: str) -> str | None:
 
 
 def tpu_scan(root: str = "/sys/bus/pci/devices", vfio: str = "/dev/vfio") -> tuple[list[str], list[str]]:
-    """The TPU chips TorchTPU can drive here, by kind (``["v5e"]`` on a Colab v5e-1), and a line
-    for each TPU it cannot, saying why. Read from sysfs as the wheel reads it, without touching
-    any TPU client: a chip in TorchTPU's table whose IOMMU group has a ``/dev/vfio`` node."""
+    """The chips TorchTPU can drive, by kind (``["v5e"]`` on a Colab v5e-1), and why not for each other TPU. As
+    the wheel reads sysfs: a chip in TorchTPU's table whose IOMMU group has a ``/dev/vfio`` node."""
     chips, not_driven = [], []
     for device in sorted(glob.glob(os.path.join(root, "*"))):
         if _read(os.path.join(device, "vendor")) != GOOGLE_PCI_VENDOR:
@@ -37,7 +35,7 @@ def tpu_scan(root: str = "/sys/bus/pci/devices", vfio: str = "/dev/vfio") -> tup
             )
         if device_id not in TPU_PCI_DEVICES:
             continue
-        try:  # TorchTPU opens the chip through VFIO: no device node, no TPU for it
+        try:  # TorchTPU opens the chip through VFIO: no device node, no TPU
             group = os.path.basename(os.readlink(os.path.join(device, "iommu_group")))
         except OSError:
             group = None
