@@ -202,7 +202,6 @@ class Backend:
 
     @property
     def profiler_sort(self) -> str:
-        """The profiler table's column for time spent on this device."""
         return "self_cuda_time_total" if self.name == "cuda" else "self_cpu_time_total"
 
     def sync(self) -> None:
@@ -229,7 +228,6 @@ class Backend:
             return None
 
     def empty_cache(self) -> None:
-        """Hand the allocator's cached blocks back to the device."""
         if self.name in ("tpu", "cuda"):
             torch.accelerator.empty_cache()
 
@@ -374,7 +372,6 @@ class Backend:
         return self.name == "xla" or (self.name == "tpu" and mode != "compile")
 
     def programs_compiled(self) -> int | None:
-        """Device programs compiled so far in this process (None where not counted)."""
         return self._device_counts()[0]
 
     @contextlib.contextmanager

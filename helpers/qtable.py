@@ -8,6 +8,14 @@ from .int4 import ROWS_PER_BLOCK, dequantize, quantize_int4, recover_grid, unpac
 from .packed import GROUP_SIZE, CheckpointTensors, checkpoint_key, table_row_words
 
 
+def gather_rows(table: torch.Tensor, input_ids: torch.Tensor, words: int, groups: int, dtype) -> torch.Tensor:
+    """The rows of ``input_ids`` dequantized: one gather of whole int32 rows (``words`` of codes, then ``groups``
+    float32 steps' bits), then only those rows unpacked and scaled."""
+    gathered = table[input_ids]
+    steps = gathered[..., words : words + groups].view(torch.float32)
+    return dequantize(unpack_rows(gathered[..., :words]), steps, dtype)
+
+
 class QTable(torch.nn.Module):
     """A drop-in for Gemma 4's scaled embedding: one int32 row per token (codes, the float32 steps' bits, zeros to
     ``packed.table_row_words``), laid out for a TPU's gather."""
@@ -99,17 +107,12 @@ class QTable(torch.nn.Module):
         }
 
     def nbytes(self) -> int:
-        """Bytes held on the device, padding included."""
         return self.table.numel() * self.table.element_size()
 
     def rows(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The dequantized rows of ``input_ids``: one gather of whole rows, codes and steps together."""
-        gathered = self.table[input_ids]
-        steps = gathered[..., self.words : self.words + self.groups].view(torch.float32)
-        return dequantize(unpack_rows(gathered[..., : self.words]), steps, self.dtype)
+        return gather_rows(self.table, input_ids, self.words, self.groups, self.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        """The whole table, dequantized (what a tied head multiplies by)."""
         return dequantize(unpack_rows(self.packed), self.scales, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -178,8 +178,9 @@ print(
 # 4-bit codes per int32 word) and its group scales, unpack, multiply, round as bf16 rounds the
 # grid's products. Only the rows of the current tokens are ever dequantized. The unpacking and
 # the products are written here (and kept, the same, in `helpers.int4`, which notebook 07's
-# int4 linears use too; a test checks the two are the same); `QTable.rows` is the gather
-# around them.
+# int4 linears use too; a test checks the two are the same); the row lookup, one gather of whole
+# rows and then those rows dequantized, is in the cell after them (kept in `helpers.qtable`, which
+# `QTable.rows` calls).
 
 # %%
 # @save helpers.int4
@@ -213,7 +214,29 @@ def grid_values(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 
 # %%
-helpers.show(helpers.qtable.QTable.rows)
+# @save helpers.qtable
+def gather_rows(table: torch.Tensor, input_ids: torch.Tensor, words: int, groups: int, dtype) -> torch.Tensor:
+    """The rows of ``input_ids`` dequantized: one gather of whole int32 rows (``words`` of codes, then ``groups``
+    float32 steps' bits), then only those rows unpacked and scaled."""
+    gathered = table[input_ids]
+    steps = gathered[..., words : words + groups].view(torch.float32)
+    return dequantize(unpack_rows(gathered[..., :words]), steps, dtype)
+
+
+# %% [markdown]
+# Two rows of a 4-bit table of 3 tokens by 32 values, packed by hand: token 1's codes run -8..7
+# twice, its step 0.5; token 2's are all -8, its step 0.25. One gather, then only those two rows
+# unpacked and scaled.
+
+# %%
+codes = torch.stack([torch.zeros(32), torch.arange(32) % 16 - 8, torch.full((32,), -8.0)]).to(torch.int32)
+# each code stored as code + 8 (0..15), low nibble first, as compressed-tensors packs them
+words = ((codes + 8) << torch.arange(0, 32, 4, dtype=torch.int32).repeat(4)).view(3, 4, 8).sum(-1, dtype=torch.int32)
+steps = torch.tensor([[1.0], [0.5], [0.25]]).view(torch.int32)  # the steps' float32 bits, one group a row
+hand_table = torch.cat([words, steps], dim=1)  # [tokens, 4 words of codes + 1 step]
+rows = gather_rows(hand_table, torch.tensor([1, 2]), words=4, groups=1, dtype=torch.float32)
+print(rows)
+assert torch.equal(rows, torch.stack([(torch.arange(32) % 16 - 8) * 0.5, torch.full((32,), -2.0)]))
 
 # %% [markdown]
 # ## Recover the grid, build the 4-bit table, swap it in
@@ -253,11 +276,9 @@ random_ids = torch.randint(0, old_table.num_embeddings, (4, 64), generator=torch
 same_rows = all(torch.equal(qtable(c).cpu(), old_table(c).cpu()) for c in (ids_to_check, random_ids))
 print("rows equal bit for bit (first and last id, repeated ids, a batch of random ids):", same_rows)
 assert same_rows == report["exact grid"] or not checkpoint.tiny
-# the rows again with the functions written above, from the table's own words: the same code on
-# the same words, so bit for bit
-gathered = qtable.table[ids_to_check]
-steps = gathered[..., qtable.words : qtable.words + qtable.groups].view(torch.float32)
-written = dequantize(unpack_rows(gathered[..., : qtable.words]), steps, qtable.dtype)
+# the rows again with the lookup written above, from the table's own words: the same code on the
+# same words, so bit for bit
+written = gather_rows(qtable.table, ids_to_check, qtable.words, qtable.groups, qtable.dtype)
 assert torch.equal(written, qtable.rows(ids_to_check))
 del old_table
 after = backend.memory()

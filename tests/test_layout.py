@@ -82,6 +82,12 @@ def test_every_module_is_in_one_of_the_two_layers():
     assert len(BOOKKEEPING) > 10 and not LESSONS & BOOKKEEPING
 
 
+def test_every_course_module_is_loaded_by_name():
+    import helpers.course
+
+    assert helpers.course._MODULES == BOOKKEEPING  # helpers.course.<module>, as the notebooks write it
+
+
 def test_no_lesson_module_imports_the_bookkeeping():
     found = {
         module: sorted(_helpers_imports(ast.parse((ROOT / "helpers" / f"{module}.py").read_text())) - LESSONS)

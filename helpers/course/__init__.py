@@ -1,10 +1,10 @@
-"""The course's bookkeeping, above the lessons: the series and its rows, the tour, charts,
-sources, the install plan, the Hub policy, the twin and synthetic builders, the verdict and the
-audits. It imports the lessons; no lesson imports it. Modules load on first use."""
+"""The course's bookkeeping, above the lessons, which never import it: series, rows, tour, charts, sources, set-up,
+Hub policy, twin, synthetic checkpoint, verdict, audits. Modules load on first use."""
 
 import importlib
 
 _MODULES = {
+    "audits",
     "charts",
     "e2b",
     "hub",
@@ -17,10 +17,13 @@ _MODULES = {
     "sources",
     "steps",
     "synthetic",
+    "tables",
+    "timing",
     "tour",
     "tpu",
     "twin",
     "verdict",
+    "widgets",
 }
 
 

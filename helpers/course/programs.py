@@ -1,6 +1,5 @@
-"""The programs XLA is handed, read without a TPU from the ``xla`` backend's dumps (``--xla_dump_to``):
-64-bit integer ops (emulated in 32-bit pairs on a TPU), whether the KV cache is aliased (else copied
-per step), the largest intermediate, and memory. TorchTPU's StableHLO (``debug_callback``) is not read."""
+"""The programs XLA is handed, read from the ``xla`` backend's dumps: 64-bit integer ops (pairs of 32-bit ones on a
+TPU), the KV cache aliased or copied per step, the largest intermediate, memory. TorchTPU's StableHLO is not read."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The series so far, in one call: the model as notebook N leaves it, with the prompt, generation
-length and notebook 03's reference tokens. Notebooks 03-08, the tour and the tests start from it, so
-the recipe (load, first forward, strip, 4-bit table) is written once, in the notebooks' order."""
+"""The series so far, in one call: the model as notebook N leaves it, with the prompt, length and notebook 03's
+reference tokens, so the recipe (load, first forward, strip, 4-bit table) is written once, in the notebooks' order."""
 
 from __future__ import annotations
 
