@@ -56,6 +56,19 @@ def test_the_module_map_lists_every_module_with_its_imports_each_from_above():
         above.add(module)
 
 
+def test_a_lesson_imports_only_lessons_of_its_notebook_or_earlier_ones():
+    """A reader at notebook N needs only what notebooks 01..N opened: read from the map's "opened in" column."""
+    section = (ROOT / "README.md").read_text().split("### The lessons", 1)[1].split("###", 1)[0]
+    opened = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            opened[cells[0].strip("`")] = int(cells[2])
+    assert set(opened) == LESSONS - {"__init__"}
+    later = {m: sorted(i for i in _imports(m) if opened[i] > opened[m]) for m in opened}
+    assert not any(later.values()), {m: i for m, i in later.items() if i}
+
+
 def _inner_relative_imports(module: str) -> list[int]:
     tree = ast.parse(_path(module).read_text())
     return [
