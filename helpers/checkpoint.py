@@ -84,14 +84,17 @@ def load(folder, backend: Backend, dtype: torch.dtype = torch.bfloat16, dequanti
     return model, time.perf_counter() - start
 
 
+def unique_tensors(module) -> dict[int, torch.Tensor]:
+    """A module's parameters and buffers, each once: by identity (tied weights are one tensor)."""
+    return {id(t): t for t in [*module.parameters(), *module.buffers()]}
+
+
 def unload(model, backend: Backend) -> None:
     """Give a model's memory back before the next load: compressed-tensors' bound forwards (reference cycles) and a
     notebook's outputs may still hold it, so its tensors go to the meta device first."""
     from compressed_tensors.offload import remove_dispatch
 
-    held = sum(
-        t.numel() * t.element_size() for t in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values()
-    )
+    held = sum(t.numel() * t.element_size() for t in unique_tensors(model).values())
     before = backend.memory()
     remove_dispatch(model)  # its offload cache would copy into the old tensors instead of letting go
     model.to("meta")

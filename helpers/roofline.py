@@ -5,25 +5,21 @@ from __future__ import annotations
 import torch
 
 from .backend import Backend
+from .checkpoint import unique_tensors
 from .decode import Decoder, cache_read_bytes
-
-
-def _tensors(module) -> dict[int, torch.Tensor]:
-    named = [*module.parameters(recurse=True), *module.buffers(recurse=True)]
-    return {id(t): t for t in named}  # identity, as parameters() dedups tied weights
 
 
 def _row_bytes(table) -> int:
     """Bytes of one row of a gathered table (bf16 ``Embedding`` or 4-bit ``QTable``)."""
-    return sum(t[0].numel() * t.element_size() for t in _tensors(table).values() if t.dim() == 2)
+    return sum(t[0].numel() * t.element_size() for t in unique_tensors(table).values() if t.dim() == 2)
 
 
 def step_bytes(model, cache=None) -> int:
     """Bytes one decode step reads as stored: every tensor once, one row of the per-layer table, the K and V each layer
     reads."""
     table = model.model.embed_tokens_per_layer
-    every = _tensors(model)
-    for key in _tensors(table):
+    every = unique_tensors(model)
+    for key in unique_tensors(table):
         every.pop(key, None)
     weights = sum(t.numel() * t.element_size() for t in every.values())
     return weights + _row_bytes(table) + (cache_read_bytes(model, cache) if cache is not None else 0)

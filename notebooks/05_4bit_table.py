@@ -236,6 +236,7 @@ steps = torch.tensor([[1.0], [0.5], [0.25]]).view(torch.int32)  # the steps' flo
 hand_table = torch.cat([words, steps], dim=1)  # [tokens, 4 words of codes + 1 step]
 rows = gather_rows(hand_table, torch.tensor([1, 2]), words=4, groups=1, dtype=torch.float32)
 print(rows)
+# equal bits by construction: small integers times 0.5 or 0.25, exact in bf16, elementwise (no sum)
 assert torch.equal(rows, torch.stack([(torch.arange(32) % 16 - 8) * 0.5, torch.full((32,), -2.0)]))
 
 # %% [markdown]

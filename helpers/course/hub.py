@@ -43,7 +43,9 @@ def describe(backend: Backend) -> str:
 def get_backend(name: str | None = None) -> Backend:
     """``backend.get_backend``, this machine checked first: a TPU chip TorchTPU did not bring up raises (host numbers
     must not pass for a TPU's), one it cannot drive is named."""
-    if not (name or os.environ.get(backends.ENV_VAR)) and backends.detect() in ("cuda", "cpu"):
+    asked = name or os.environ.get(backends.ENV_VAR)
+    name = asked or backends.detect()
+    if not asked and name in ("cuda", "cpu"):  # picked by itself: a TPU chip here would go unused
         chips, not_driven = tpu_scan()
         if not_driven and not chips:
             warnings.warn(
