@@ -95,6 +95,15 @@ def ring_masks(slots: torch.Tensor, positions: torch.Tensor, window: int, max_le
     return sliding, full
 
 
+def as_mask(allowed: torch.Tensor, attn_implementation: str) -> torch.Tensor:
+    """A boolean mask [Q, K] as ``attn_implementation`` takes it, [1, 1, Q, K]."""
+    allowed = allowed[None, None]
+    if ALL_MASK_ATTENTION_FUNCTIONS.get(attn_implementation) is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]:
+        return allowed  # an implementation that takes SDPA's boolean masks (SDPA's own, grouped)
+    # eager attention adds its mask to the scores
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
 class FullLayer(StaticLayer):
     """A full layer's K/V at the chunk's absolute positions; the padded last chunk's positions past ``max_len`` wrap
     onto the first slots and write their own values back."""
@@ -113,7 +122,7 @@ class RingCache(Cache):
     each ring slot's position (-1: empty). Per chunk: ``masks``, the forward with ``ring_positions`` and
     ``ring_valid``, then ``commit``."""
 
-    def __init__(self, model, max_len: int, chunk_size: int):
+    def __init__(self, model, max_len: int, chunk_size: int, spare: int = 0):
         config = model.config.get_text_config()
         self.window, self.max_len, self.chunk_size = config.sliding_window, max_len, chunk_size
         if not 0 < chunk_size <= self.window:
@@ -127,13 +136,10 @@ class RingCache(Cache):
                 "chunk's positions past max_len wrap onto the first slots, which must be distinct"
             )
         self.attn_implementation = config._attn_implementation
-        self.slot_positions = torch.full(
-            (self.window,), EMPTY, dtype=torch.long, device=next(model.parameters()).device
-        )
+        slots = self.window + spare  # notebook 09: a rejected draft's slot must not hold a position still needed
+        self.slot_positions = torch.full((slots,), EMPTY, dtype=torch.long, device=next(model.parameters()).device)
         super().__init__(
-            layers=allocated_layers(
-                model, lambda attn: RingLayer(self.window) if attn.is_sliding else FullLayer(max_len)
-            )
+            layers=allocated_layers(model, lambda attn: RingLayer(slots) if attn.is_sliding else FullLayer(max_len))
         )
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -149,16 +155,13 @@ class RingCache(Cache):
         return {"sliding_attention": self._as_mask(sliding), "full_attention": self._as_mask(full)}
 
     def _as_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        allowed = allowed[None, None]
-        if ALL_MASK_ATTENTION_FUNCTIONS.get(self.attn_implementation) is ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]:
-            return allowed  # an implementation that takes SDPA's boolean masks (SDPA's own, grouped)
-        # eager attention adds its mask to the scores
-        return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return as_mask(allowed, self.attn_implementation)
 
     def commit(self, positions: torch.Tensor, valid: torch.Tensor) -> None:
-        if positions.shape[0] > self.window:  # as in RingLayer.update (XLA refuses a slice past the start)
-            positions, valid = positions[-self.window :], valid[-self.window :]
-        slots = positions % self.window
+        size = self.slot_positions.shape[0]
+        if positions.shape[0] > size:  # as in RingLayer.update (XLA refuses a slice past the start)
+            positions, valid = positions[-size:], valid[-size:]
+        slots = positions % size
         kept = torch.where(valid, positions, self.slot_positions.index_select(0, slots))
         self.slot_positions.index_copy_(0, slots, kept)
 
@@ -182,8 +185,10 @@ class RingDecoder(Decoder):
         self.at = 0
         super().__init__(model, backend, max_len, **compile_options)
 
+    spare = 0  # ring slots past the window (notebook 09's drafts)
+
     def new_cache(self, model, max_len: int) -> RingCache:
-        return RingCache(model, self.buckets[0], self.chunk_size)  # the smallest bucket first
+        return RingCache(model, self.buckets[0], self.chunk_size, self.spare)  # the smallest bucket first
 
     def fit(self, end: int) -> None:
         """Make the cache the smallest bucket holding positions 0..``end``-1 (copying up once; a new prompt may move
@@ -191,7 +196,7 @@ class RingDecoder(Decoder):
         bucket = next(b for b in self.buckets if b >= end)
         if bucket == self.cache.max_len or (bucket < self.cache.max_len and self.at):
             return
-        old, self.cache = self.cache, RingCache(self.model, bucket, self.chunk_size)
+        old, self.cache = self.cache, RingCache(self.model, bucket, self.chunk_size, self.spare)
         if self.at:  # moving up mid-context: the same slots, a longer buffer for the full layers
             for new, held in zip(self.cache.layers, old.layers):
                 if held.is_initialized:
@@ -206,9 +211,10 @@ class RingDecoder(Decoder):
         self.at += 1
         return super().call(token, position)
 
-    def forward_chunk(self, tokens, positions, valid):
-        """Logits for ``tokens`` [1, C] at ``positions`` [1, C] (``valid`` [C]: not padding)."""
-        logits = self.model(
+    def forward_chunk(self, tokens, positions, valid, model=None):
+        """The output of ``model`` (the decoder's, or its text model) for ``tokens`` [1, C] at ``positions`` [1, C]
+        (``valid`` [C]: not padding)."""
+        out = (model or self.model)(
             input_ids=tokens,
             position_ids=positions,
             attention_mask=self.cache.masks(positions[0]),
@@ -216,18 +222,18 @@ class RingDecoder(Decoder):
             use_cache=True,
             ring_positions=positions[0],
             ring_valid=valid,
-        ).logits
+        )
         self.cache.commit(positions[0], valid)
-        return logits
+        return out
 
     def step(self, token, position):
         self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
-        logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device))
+        logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device)).logits
         return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
 
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
-        logits = self.forward_chunk(tokens, positions, valid)[0].index_select(0, last)
+        logits = self.forward_chunk(tokens, positions, valid).logits[0].index_select(0, last)
         return self.pick(logits, positions[0].index_select(0, last) + 1)
 
     def chunks(self, length: int, device, offset: int = 0):

@@ -64,11 +64,11 @@ def _through_the_ring(decoder, seq, prompt_len):
             n = int(valid.sum())
             tokens = torch.zeros(1, decoder.chunk_size, dtype=seq.dtype)
             tokens[:, :n] = seq[:, start : start + n]
-            logits.append(decoder.forward_chunk(tokens, positions, valid)[0, :n])
+            logits.append(decoder.forward_chunk(tokens, positions, valid).logits[0, :n])
             kept.append(n)
         for p in range(prompt_len, seq.shape[1]):
             logits.append(
-                decoder.forward_chunk(seq[:, p : p + 1], torch.tensor([[p]]), torch.ones(1, dtype=torch.bool))[0]
+                decoder.forward_chunk(seq[:, p : p + 1], torch.tensor([[p]]), torch.ones(1, dtype=torch.bool)).logits[0]
             )
             kept.append(1)
     for h in hooks:

@@ -1,0 +1,199 @@
+"""Draft and verify: Gemma 4's assistant drafts K tokens from the target's own K/V and last hidden state, the target
+checks them in one forward of K+1 tokens and keeps the drafts it agrees with, then its own next token: the target's
+greedy tokens, several per pass over its weights."""
+
+from __future__ import annotations
+
+import torch
+
+from .decode import Decoder, kv_buffers, set_length
+from .ring import EMPTY, RingDecoder, as_mask
+
+
+def load_assistant(folder, backend, dtype: torch.dtype = torch.bfloat16):
+    """The assistant in ``folder`` (transformers' ``Gemma4AssistantForCausalLM``) on the device."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    assistant = Gemma4AssistantForCausalLM.from_pretrained(folder, dtype=dtype)
+    backend.place(assistant)
+    return assistant.eval()
+
+
+def shared_layers(model) -> dict[str, int]:
+    """Per attention type, the target layer whose K/V its sharing layers read: the assistant reads the same."""
+    types = model.config.get_text_config().layer_types
+    return {types[i]: i for i, layer in enumerate(model.model.layers) if layer.self_attn.store_full_length_kv}
+
+
+def draft_masks(key_positions: dict, position: torch.Tensor, window: int) -> dict:
+    """Which keys the assistant's query at ``position`` sees, from each type's key positions [S] (-1: empty): all
+    before it, and in a sliding layer the last ``window`` of them, as the target's own query at ``position - 1``."""
+    masks = {}
+    for kind, keys in key_positions.items():
+        seen = (keys < position) & (keys != EMPTY)
+        masks[kind] = seen & (keys >= position - window) if kind == "sliding_attention" else seen
+    return masks
+
+
+def draft_token(assistant, hidden: torch.Tensor) -> torch.Tensor:
+    """The assistant's argmax [1, 1]. With ordered embeddings, only its top centroids' tokens are scored, as HF's
+    masked embedder scores them, without its host read of their minimum (a graph break)."""
+    ordered = assistant.masked_embedding
+    if ordered is None:
+        return assistant.lm_head(hidden).argmax(-1)
+    top = ordered.centroids(hidden).topk(ordered.centroid_intermediate_top_k, dim=-1).indices
+    ids = ordered.token_ordering.view(ordered.num_centroids, -1)[top].flatten(-2)  # [1, 1, tokens scored]
+    scores = (hidden.unsqueeze(-2) @ assistant.lm_head.weight[ids].transpose(-1, -2)).squeeze(-2)
+    return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def assist(assistant, embedding, hidden, position, shared_kv: dict, masks: dict):
+    """One assistant forward as HF's, with the masks given (HF's builds them from a padding mask, which a static or ring
+    buffer's unwritten slots are not): the draft token and the hidden state the next draft starts from."""
+    x = assistant.pre_projection(torch.cat([embedding, hidden], dim=-1))
+    out = assistant.model(
+        inputs_embeds=x, attention_mask=masks, position_ids=position, shared_kv_states=shared_kv, use_cache=False
+    )
+    return draft_token(assistant, out.last_hidden_state), assistant.post_projection(out.last_hidden_state)
+
+
+class Drafted:
+    """Notebook 09's additions to a decoder (first among its bases): each call drafts ``draft_tokens`` (K) with
+    ``assistant`` in one compiled program and verifies them in another, a forward of K+1 tokens."""
+
+    def __init__(self, model, assistant, backend, max_len: int, draft_tokens: int = 4, **kwargs):
+        if draft_tokens < 1:
+            raise ValueError(f"draft_tokens={draft_tokens}: draft at least one token (0 is notebook 04's decoder)")
+        self.assistant, self.draft_tokens, self.spare = assistant, draft_tokens, draft_tokens
+        super().__init__(model, backend, max_len, **kwargs)
+        self.window = model.config.get_text_config().sliding_window
+        self.owners = shared_layers(model)
+        norm = model.model.norm.weight
+        self.hidden = torch.zeros(1, 1, norm.shape[0], dtype=norm.dtype, device=norm.device)  # the target's last
+        options = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "buckets")}
+        self.draft_step = backend.compile(self.draft, fullgraph=True, **options)
+        self.verify_step = backend.compile(self.verify, fullgraph=True, **options)
+        self.kept: list[int] = []  # per call of the last run: the drafts the target kept
+
+    def key_positions(self) -> dict:
+        """Per attention type, the position each slot of its shared K/V holds (a static cache: the slot's index)."""
+        slots = self.cache.layers[self.owners["full_attention"]].keys.shape[2]
+        return dict.fromkeys(self.owners, torch.arange(slots, device=self.hidden.device))
+
+    def draft(self, token, position):
+        """K tokens [1, K] after ``token`` at ``position``: K assistant forwards at that one position, over the target's
+        K/V (the assistant keeps no cache), each fed the last draft and the hidden state it left."""
+        layers = {kind: self.cache.layers[i] for kind, i in self.owners.items()}
+        shared_kv = {kind: (layer.keys, layer.values) for kind, layer in layers.items()}
+        allowed = draft_masks(self.key_positions(), position.view(()), self.window)
+        masks = {
+            k: as_mask(m[None], self.assistant.config.get_text_config()._attn_implementation)
+            for k, m in allowed.items()
+        }
+        embed, hidden, drafts = self.model.get_input_embeddings(), self.hidden, []
+        for _ in range(self.draft_tokens):
+            token, hidden = assist(self.assistant, embed(token), hidden, position, shared_kv, masks)
+            drafts.append(token)
+        return torch.cat(drafts, dim=1)
+
+    def target(self, tokens, positions):
+        """The target's last hidden state [1, C, H] for ``tokens`` [1, C] at ``positions`` [1, C]: its text model's
+        output, what the assistant reads (``output_hidden_states`` hooks every layer, through a lock dynamo refuses)."""
+        return self.model.model(input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True)
+
+    def head(self, hidden):
+        """The target's logits from its last hidden state, as its forward makes them: ``lm_head``, then the softcap."""
+        logits = self.model.lm_head(hidden)
+        cap = self.model.config.get_text_config().final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def rewind(self, length) -> None:
+        """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
+        set_length(self.cache, length)
+
+    def verify(self, token, drafts, position):
+        """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts up to the first
+        it disagrees with, then its own token there. Returns those tokens [1, K+1] (-1 past them), the last one and the
+        position it goes at."""
+        self.backend.donate(*kv_buffers(self.cache))
+        tokens = torch.cat([token, drafts], dim=1)
+        positions = position + torch.arange(tokens.shape[1], device=tokens.device)
+        hidden = self.target(tokens, positions).last_hidden_state
+        made = self.pick(self.head(hidden[0]), positions[0] + 1)  # [K+1, 1]: the target's token after each
+        kept = (drafts[0] == made[:-1, 0]).cumprod(0).sum()  # the drafts before the first disagreement
+        self.hidden.copy_(hidden.index_select(1, kept.view(1)))
+        self.rewind(position.view(()) + kept + 1)
+        block = torch.where(torch.arange(tokens.shape[1], device=tokens.device) <= kept, made[:, 0], -1)
+        return block[None], made.index_select(0, kept.view(1)), position + kept + 1
+
+    @torch.no_grad()
+    def call(self, token, position):
+        return self.verify_step(token, self.draft_step(token, position), position)
+
+    def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
+        super().check_room(length, new_tokens, start, self.draft_tokens)  # the last call writes K more positions
+
+    @torch.no_grad()
+    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
+        """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been
+        made, or the length may have been reached."""
+        self.check_room(ids.shape[1], new_tokens, start)
+        stops = self.stops(ids[0].tolist(), stop_ids)
+        if streamer is not None:
+            streamer.put(ids.cpu())
+        token, position = self.prefill(ids, start)
+        tokens, pending, most, self.kept = [], [token], 1, []  # most: tokens made at most, until read back
+        while True:
+            if most >= new_tokens or most - len(tokens) >= readback_every:
+                self.backend.flush()
+                blocks = [b[0].tolist() for b in pending]
+                self.kept += [sum(t >= 0 for t in b) - 1 for b in blocks[1 if not tokens else 0 :]]
+                made = [t for b in blocks for t in b if t >= 0]
+                chunk, stopped = stops.cut(made[: new_tokens - len(tokens)])
+                tokens, pending, most = tokens + chunk, [], len(tokens) + len(chunk)
+                if streamer is not None:
+                    streamer.put(torch.tensor(chunk))
+                if most >= new_tokens or stopped:
+                    if streamer is not None:
+                        streamer.end()
+                    return tokens
+            block, token, position = self.call(token, position)
+            pending.append(block)
+            most += block.shape[1]
+
+
+class DraftDecoder(Drafted, Decoder):
+    """Notebook 04's decoder, drafting and verifying on its static cache."""
+
+    def _prefill(self, tokens, last):
+        self.backend.donate(*kv_buffers(self.cache))
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        self.hidden.copy_(self.target(tokens, positions).last_hidden_state.index_select(1, last))
+        return self.pick(self.head(self.hidden[0]), last + 1)
+
+
+class DraftRingDecoder(Drafted, RingDecoder):
+    """Notebook 06's decoder, drafting and verifying on a ring of ``window + K`` slots: a rejected draft's position
+    takes a slot, which in a ring of ``window`` held a position the next query still sees."""
+
+    def key_positions(self) -> dict:
+        positions = super().key_positions()
+        return {**positions, "sliding_attention": self.cache.slot_positions}
+
+    def target(self, tokens, positions):
+        valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device)
+        return self.forward_chunk(tokens, positions, valid, self.model.model)
+
+    def rewind(self, length) -> None:
+        self.cache.slot_positions.masked_fill_(self.cache.slot_positions >= length, EMPTY)
+
+    def _prefill(self, tokens, positions, valid, last):
+        self.backend.donate(*kv_buffers(self.cache))
+        self.hidden.copy_(
+            self.forward_chunk(tokens, positions, valid, self.model.model).last_hidden_state.index_select(1, last)
+        )
+        return self.pick(self.head(self.hidden[0]), positions[0].index_select(0, last) + 1)
+
+    @torch.no_grad()
+    def call(self, token, position):
+        return Drafted.call(self, token, position)  # one ring for the whole context: no bucket to fit

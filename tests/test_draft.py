@@ -1,0 +1,174 @@
+"""Draft and verify (notebook 09): the target's greedy tokens for K = 1..6, every draft kept or none, a stop inside
+the drafts, a prompt several windows long on a ring of window + K slots, HF's assisted generate, one draft graph and
+one verify graph per K."""
+
+import pytest
+import torch
+from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
+
+from helpers import decode, draft
+from helpers.course import series, twin, twin_assistant, verdict
+from helpers.generate import greedy_config
+
+W = twin.TEXT_CONFIG["sliding_window"]
+MAX_LEN = 128
+
+
+@pytest.fixture(scope="module")
+def setup():
+    """The float32 twin as notebook 04 strips it, its trained assistant, the reference model and its tokens."""
+    from helpers.backend import get_backend
+
+    backend = get_backend("cpu")
+    checkpoint, model, tokenizer, ids = series.load_for_series(backend)
+    with torch.no_grad():
+        model(ids)
+    decode.strip_compressed_wrappers(model)
+    assistant = draft.load_assistant(twin_assistant.build_twin_assistant(checkpoint.path), backend, torch.float32)
+    reference = verdict.reference_model(checkpoint, torch.float32)
+    return backend, model, assistant, reference, ids
+
+
+def eager(decoder):
+    """The decoder's steps run as written, uncompiled: the same code, without a compile per K on 2 cores."""
+    decoder.prefill_step, decoder.draft_step, decoder.verify_step = decoder._prefill, decoder.draft, decoder.verify
+    return decoder
+
+
+class Oracle(draft.DraftDecoder):
+    """Drafts read from a list of tokens by position: the right ones (every draft kept) or each one off by one (none)."""
+
+    def __init__(self, *args, sequence: list[int], wrong: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        vocab = self.model.config.get_text_config().vocab_size
+        padded = torch.tensor(sequence + [0] * (self.max_len + self.draft_tokens))
+        self.sequence = (padded + 1) % vocab if wrong else padded
+
+    def draft(self, token, position):
+        return self.sequence.index_select(0, position.view(-1) + 1 + torch.arange(self.draft_tokens))[None]
+
+
+def judged(tokens, setup, ids, new_tokens: int, stop: bool = True):
+    """The one verdict against the reference model's greedy tokens (two programs: teacher-forced, near ties named);
+    ``stop=False``: exactly ``new_tokens``, as ``stop_ids=()``."""
+    reference = setup[3]
+    out = reference.generate(ids, generation_config=greedy_config(reference, new_tokens, stop))
+    expected = out.sequences[0, ids.shape[1] :].tolist()
+    return verdict.compare_tokens(tokens, expected, reference, ids), expected
+
+
+@pytest.mark.parametrize("k", range(1, 7))
+def test_the_targets_greedy_tokens_for_each_k_and_the_trained_assistant_is_kept(setup, k):
+    backend, model, assistant, _, ids = setup
+    decoder = eager(draft.DraftDecoder(model, assistant, backend, MAX_LEN, k))
+    tokens = decoder.generate(ids, 32)
+    result, expected = judged(tokens, setup, ids, 32)
+    assert result, result
+    assert sum(decoder.kept) + len(decoder.kept) + 1 >= len(tokens)  # every token came from a call or the prefill
+    assert sum(decoder.kept) / (k * len(decoder.kept)) > 0.5, decoder.kept  # trained: most drafts are the target's
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_every_draft_kept_or_every_draft_rejected(setup, wrong):
+    backend, model, assistant, _, ids = setup
+    k, n = 4, 24
+    _, expected = judged([], setup, ids, n, stop=False)
+    oracle = Oracle(model, assistant, backend, MAX_LEN, k, sequence=ids[0].tolist() + expected, wrong=wrong)
+    tokens = eager(oracle).generate(ids, n, stop_ids=())
+    result, _ = judged(tokens, setup, ids, n, stop=False)
+    assert result, result
+    assert set(oracle.kept[:-1]) == ({0} if wrong else {k})  # the last call may be cut by the length
+
+
+def test_a_stop_token_inside_the_drafts_ends_the_run_there(setup):
+    backend, model, assistant, _, ids = setup
+    k, n = 6, 32
+    _, expected = judged([], setup, ids, n)
+    stops = set(model.generation_config.eos_token_id)
+    assert expected[-1] in stops and len(expected) < n  # the series' prompt: the twin ends its turn
+    oracle = eager(Oracle(model, assistant, backend, MAX_LEN, k, sequence=ids[0].tolist() + expected + [5] * 16))
+    tokens = oracle.generate(ids, n)
+    assert tokens == expected  # the oracle drafts the reference itself: the verify's argmax decides, checked below
+    assert judged(tokens, setup, ids, n)[0]
+    assert 1 + sum(kept + 1 for kept in oracle.kept) > len(tokens)  # the last call made tokens past the stop
+
+
+def test_a_prompt_several_windows_long_on_the_ring(setup):
+    backend, model, assistant, _, _ = setup
+    prompt = torch.randint(3, 512, (1, 3 * W + 5), generator=torch.Generator().manual_seed(0))
+    for k in (2, 5):
+        decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k))
+        tokens = decoder.generate(prompt, 24, stop_ids=())
+        result, _ = judged(tokens, setup, prompt, 24, stop=False)
+        assert result, result
+        assert decoder.cache.slot_positions.numel() == W + k
+
+
+def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
+    """A rejected draft's position takes a slot: with ``window`` slots it held a position still in the window."""
+    backend, model, assistant, _, _ = setup
+    prompt = torch.randint(3, 512, (1, 2 * W + 3), generator=torch.Generator().manual_seed(1))
+    k = 4
+    for spare, loses in ((0, True), (k, False)):
+        decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k))
+        decoder.spare = spare
+        decoder.cache = decoder.new_cache(model, MAX_LEN)
+        decoder.draft_step = lambda token, position: torch.full((1, k), 511)  # a token the twin hardly makes
+        token, start = decoder.prefill(prompt)
+        _, _, position = decoder.call(token, start)
+        q = int(position)  # the next query: it sees positions q - window + 1 .. q - 1 in the ring
+        assert q - int(start) <= k - 1  # at least two drafts rejected: their positions written, then forgotten
+        held = set(decoder.cache.slot_positions.tolist())
+        assert (not set(range(q - W + 1, q)) <= held) == loses
+
+
+def test_hf_assisted_generate_gives_the_targets_tokens(setup):
+    backend, model, assistant, _, ids = setup
+    assistant.generation_config.num_assistant_tokens = 3
+    out = model.generate(ids, generation_config=greedy_config(model, 32), assistant_model=assistant)
+    result, _ = judged(out.sequences[0, ids.shape[1] :].tolist(), setup, ids, 32)
+    assert result, result
+
+
+def test_ordered_embeddings_score_the_top_centroids_tokens_as_hfs_embedder():
+    torch.manual_seed(0)
+    text = Gemma4TextConfig(**twin_assistant.TEXT_CONFIG)
+    config = Gemma4AssistantConfig(
+        text_config=text,
+        backbone_hidden_size=64,
+        use_ordered_embeddings=True,
+        num_centroids=32,
+        centroid_intermediate_top_k=4,
+    )
+    assistant = Gemma4AssistantForCausalLM(config).eval()
+    assistant.masked_embedding.token_ordering.copy_(torch.randperm(text.vocab_size))
+    hidden = torch.randn(1, 1, text.hidden_size)
+    hfs = assistant.masked_embedding(hidden, assistant.lm_head.weight).argmax(-1)
+    assert torch.equal(draft.draft_token(assistant, hidden), hfs)  # the same products, one scatter apart
+
+
+def test_refusals(setup):
+    backend, model, assistant, _, ids = setup
+    with pytest.raises(ValueError, match="draft at least one"):
+        draft.DraftDecoder(model, assistant, backend, MAX_LEN, 0)
+    decoder = draft.DraftDecoder(model, assistant, backend, 64, 6)
+    with pytest.raises(ValueError, match="the last call's"):
+        decoder.generate(ids, 64 - ids.shape[1] - 2)
+
+
+def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup):
+    checkpoint, model, _, ids = series.load_for_series(backend)  # on this run's backend (xla in CI's xla job)
+    with torch.no_grad():
+        model(ids)
+    decode.strip_compressed_wrappers(model)
+    folder = twin_assistant.build_twin_assistant(checkpoint.path)
+    assistant = draft.load_assistant(folder, backend, torch.float32)
+    torch._dynamo.reset()
+    decoder = draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, 2)
+    with backend.compile_counter() as count:
+        tokens = decoder.generate(ids, 16)
+    with backend.compile_counter() as again:
+        assert decoder.generate(ids, 16) == tokens  # equal lists: the same programs on the same inputs
+    assert (count.graphs, again.graphs) == (3, 0)  # the prefill chunk, the draft, the verify; none per token
+    result, _ = judged(tokens, setup, ids.cpu(), 16)
+    assert result, result
