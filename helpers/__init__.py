@@ -47,6 +47,7 @@ _MODULES = {
     "checkpoint",
     "course",
     "decode",
+    "draft",
     "fused",
     "generate",
     "int4",

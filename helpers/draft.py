@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .checkpoint import unique_tensors
 from .decode import Decoder, kv_buffers, set_length
 from .ring import EMPTY, RingDecoder, as_mask
 
@@ -57,6 +58,19 @@ def assist(assistant, embedding, hidden, position, shared_kv: dict, masks: dict)
     return draft_token(assistant, out.last_hidden_state), assistant.post_projection(out.last_hidden_state)
 
 
+def draft_bytes(decoder) -> int:
+    """Bytes one draft reads: the assistant's weights (with ordered embeddings, of its head only its top centroids'
+    rows) and, per layer, the target's K/V it shares."""
+    assistant, cache = decoder.assistant, decoder.cache
+    weights = sum(t.numel() * t.element_size() for t in unique_tensors(assistant).values())
+    ordered, head = assistant.masked_embedding, assistant.lm_head.weight
+    if ordered is not None:
+        rows = ordered.centroid_intermediate_top_k * (head.shape[0] // ordered.num_centroids)
+        weights -= (head.shape[0] - rows) * head[0].numel() * head.element_size()
+    owners = [cache.layers[decoder.owners[kind]] for kind in assistant.config.get_text_config().layer_types]
+    return weights + sum(t.numel() * t.element_size() for layer in owners for t in (layer.keys, layer.values))
+
+
 class Drafted:
     """Notebook 09's additions to a decoder (first among its bases): each call drafts ``draft_tokens`` (K) with
     ``assistant`` in one compiled program and verifies them in another, a forward of K+1 tokens."""
@@ -68,8 +82,7 @@ class Drafted:
         super().__init__(model, backend, max_len, **kwargs)
         self.window = model.config.get_text_config().sliding_window
         self.owners = shared_layers(model)
-        norm = model.model.norm.weight
-        self.hidden = torch.zeros(1, 1, norm.shape[0], dtype=norm.dtype, device=norm.device)  # the target's last
+        self.hidden = None  # the target's last hidden state [1, 1, H], for the next draft
         options = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "buckets")}
         self.draft_step = backend.compile(self.draft, fullgraph=True, **options)
         self.verify_step = backend.compile(self.verify, fullgraph=True, **options)
@@ -77,12 +90,13 @@ class Drafted:
 
     def key_positions(self) -> dict:
         """Per attention type, the position each slot of its shared K/V holds (a static cache: the slot's index)."""
-        slots = self.cache.layers[self.owners["full_attention"]].keys.shape[2]
-        return dict.fromkeys(self.owners, torch.arange(slots, device=self.hidden.device))
+        keys = self.cache.layers[self.owners["full_attention"]].keys
+        return dict.fromkeys(self.owners, torch.arange(keys.shape[2], device=keys.device))
 
-    def draft(self, token, position):
-        """K tokens [1, K] after ``token`` at ``position``: K assistant forwards at that one position, over the target's
-        K/V (the assistant keeps no cache), each fed the last draft and the hidden state it left."""
+    def draft(self, token, hidden, position):
+        """K tokens [1, K] after ``token`` at ``position``, ``hidden`` the target's before it: K assistant forwards at
+        that one position, over the target's K/V (the assistant keeps no cache), each fed the last draft and the hidden
+        state it left."""
         layers = {kind: self.cache.layers[i] for kind, i in self.owners.items()}
         shared_kv = {kind: (layer.keys, layer.values) for kind, layer in layers.items()}
         allowed = draft_masks(self.key_positions(), position.view(()), self.window)
@@ -90,7 +104,7 @@ class Drafted:
             k: as_mask(m[None], self.assistant.config.get_text_config()._attn_implementation)
             for k, m in allowed.items()
         }
-        embed, hidden, drafts = self.model.get_input_embeddings(), self.hidden, []
+        embed, drafts = self.model.get_input_embeddings(), []
         for _ in range(self.draft_tokens):
             token, hidden = assist(self.assistant, embed(token), hidden, position, shared_kv, masks)
             drafts.append(token)
@@ -113,22 +127,35 @@ class Drafted:
 
     def verify(self, token, drafts, position):
         """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts up to the first
-        it disagrees with, then its own token there. Returns those tokens [1, K+1] (-1 past them), the last one and the
-        position it goes at."""
+        it disagrees with, then its own token there. Returns those tokens [1, K+1] (-1 past them), the last one, the
+        position it goes at and the hidden state before it."""
         self.backend.donate(*kv_buffers(self.cache))
         tokens = torch.cat([token, drafts], dim=1)
         positions = position + torch.arange(tokens.shape[1], device=tokens.device)
         hidden = self.target(tokens, positions).last_hidden_state
         made = self.pick(self.head(hidden[0]), positions[0] + 1)  # [K+1, 1]: the target's token after each
         kept = (drafts[0] == made[:-1, 0]).cumprod(0).sum()  # the drafts before the first disagreement
-        self.hidden.copy_(hidden.index_select(1, kept.view(1)))
         self.rewind(position.view(()) + kept + 1)
         block = torch.where(torch.arange(tokens.shape[1], device=tokens.device) <= kept, made[:, 0], -1)
-        return block[None], made.index_select(0, kept.view(1)), position + kept + 1
+        return (
+            block[None],
+            made.index_select(0, kept.view(1)),
+            position + kept + 1,
+            hidden.index_select(1, kept.view(1)),
+        )
+
+    @torch.no_grad()
+    def prefill(self, ids, start: int = 0):
+        if start:  # the last run's last call may have kept drafts past its stop: forget them
+            self.rewind(torch.tensor(start, device=ids.device))
+        (token, self.hidden), position = super().prefill(ids, start)  # this decoder's prefill gives the hidden too
+        return token, position
 
     @torch.no_grad()
     def call(self, token, position):
-        return self.verify_step(token, self.draft_step(token, position), position)
+        drafts = self.draft_step(token, self.hidden, position)
+        block, token, position, self.hidden = self.verify_step(token, drafts, position)
+        return block, token, position
 
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
         super().check_room(length, new_tokens, start, self.draft_tokens)  # the last call writes K more positions
@@ -168,8 +195,8 @@ class DraftDecoder(Drafted, Decoder):
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        self.hidden.copy_(self.target(tokens, positions).last_hidden_state.index_select(1, last))
-        return self.pick(self.head(self.hidden[0]), last + 1)
+        hidden = self.target(tokens, positions).last_hidden_state.index_select(1, last)
+        return self.pick(self.head(hidden[0]), last + 1), hidden
 
 
 class DraftRingDecoder(Drafted, RingDecoder):
@@ -180,8 +207,8 @@ class DraftRingDecoder(Drafted, RingDecoder):
         positions = super().key_positions()
         return {**positions, "sliding_attention": self.cache.slot_positions}
 
-    def target(self, tokens, positions):
-        valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device)
+    def target(self, tokens, positions, valid=None):
+        valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device) if valid is None else valid
         return self.forward_chunk(tokens, positions, valid, self.model.model)
 
     def rewind(self, length) -> None:
@@ -189,10 +216,8 @@ class DraftRingDecoder(Drafted, RingDecoder):
 
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
-        self.hidden.copy_(
-            self.forward_chunk(tokens, positions, valid, self.model.model).last_hidden_state.index_select(1, last)
-        )
-        return self.pick(self.head(self.hidden[0]), positions[0].index_select(0, last) + 1)
+        hidden = self.target(tokens, positions, valid).last_hidden_state.index_select(1, last)
+        return self.pick(self.head(hidden[0]), positions[0].index_select(0, last) + 1), hidden
 
     @torch.no_grad()
     def call(self, token, position):

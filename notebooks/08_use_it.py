@@ -356,13 +356,24 @@ else:
 # context and the cache's bytes (allocated once: the ring's sliding layers hold a window, the
 # full layers `MAX_LEN` positions); before a turn would pass the full layers' buffer, a clear
 # message instead. The tests check that turn 2's tokens equal those of the whole conversation
-# given as one prompt to the model with no cache.
+# given as one prompt to the model with no cache. `USE_ASSISTANT = True` below makes it draft
+# with Gemma 4's assistant (notebook 09): replies are then greedy, the target's own tokens
+# (drafting while sampling is not in the course yet).
 
 # %%
 helpers.show(helpers.chat.Chat.say)
 
 # %%
-chat = helpers.chat.Chat(sampled, tokenizer, max_new_tokens=series.new_tokens)
+USE_ASSISTANT = False  # True: the chat drafts with Gemma 4's assistant, notebook 09's draft and verify
+if USE_ASSISTANT:
+    dtype = helpers.course.hub.series_dtype(checkpoint)
+    assistant = helpers.draft.load_assistant(helpers.course.hub.choose_assistant(checkpoint), backend, dtype)
+    talker = helpers.draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, draft_tokens=4)
+    print("the chat drafts with Gemma 4's assistant (notebook 09): greedy replies, the target's own tokens")
+else:
+    talker = sampled
+    print("the chat samples, one token per pass over the weights (USE_ASSISTANT = True drafts, notebook 09)")
+chat = helpers.chat.Chat(talker, tokenizer, max_new_tokens=series.new_tokens)
 for message in ["Explain why compilation matters on a TPU, in two sentences.", "And on a GPU?"]:
     reply = chat.say(message)
     status = chat.status()
@@ -377,7 +388,7 @@ assert len(chat.replies) == 2 and chat.status()["context"] == len(chat.tokens)
 # when the notebook runs unattended.)
 
 # %%
-ui = helpers.course.widgets.chat_widget(helpers.chat.Chat(sampled, tokenizer, max_new_tokens=series.new_tokens))
+ui = helpers.course.widgets.chat_widget(helpers.chat.Chat(talker, tokenizer, max_new_tokens=series.new_tokens))
 ui.submit("Hello!")
 
 # %% [markdown]

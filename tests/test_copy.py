@@ -53,6 +53,10 @@ EXAMPLES = {
     "out, _ = lessons.ring.grouped_attention(module, q, k, v, None, scaling=0.25)\n"
     "assert out.shape == (1, 3, 8, 16)",
     "roofline": "assert lessons.roofline.columns(2_000, 10.0, 40_000)['pct_of_bw'] == 50",
+    "draft": "keys = {'sliding_attention': torch.tensor([0, 1, 2, 3, -1]), 'full_attention': torch.arange(5)}\n"
+    "masks = lessons.draft.draft_masks(keys, torch.tensor(3), 2)  # a query at 3 sees 1 and 2 in a window of 2\n"
+    "assert masks['sliding_attention'].tolist() == [False, True, True, False, False]\n"
+    "assert masks['full_attention'].tolist() == [True, True, True, False, False]",
     "qlinear": TWIN + "import types\n"
     "report = lessons.qlinear.keep_linears_compressed(model, FOLDER, 'int4')\n"
     "assert report and model(ids).logits.shape[1] == ids.shape[1]",

@@ -31,7 +31,9 @@ def setup():
 
 def eager(decoder):
     """The decoder's steps run as written, uncompiled: the same code, without a compile per K on 2 cores."""
-    decoder.prefill_step, decoder.draft_step, decoder.verify_step = decoder._prefill, decoder.draft, decoder.verify
+    decoder.prefill_step, decoder.decode_step = decoder._prefill, decoder.step
+    if isinstance(decoder, draft.Drafted):
+        decoder.draft_step, decoder.verify_step = decoder.draft, decoder.verify
     return decoder
 
 
@@ -44,7 +46,7 @@ class Oracle(draft.DraftDecoder):
         padded = torch.tensor(sequence + [0] * (self.max_len + self.draft_tokens))
         self.sequence = (padded + 1) % vocab if wrong else padded
 
-    def draft(self, token, position):
+    def draft(self, token, hidden, position):
         return self.sequence.index_select(0, position.view(-1) + 1 + torch.arange(self.draft_tokens))[None]
 
 
@@ -113,7 +115,7 @@ def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
         decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k))
         decoder.spare = spare
         decoder.cache = decoder.new_cache(model, MAX_LEN)
-        decoder.draft_step = lambda token, position: torch.full((1, k), 511)  # a token the twin hardly makes
+        decoder.draft_step = lambda token, hidden, position: torch.full((1, k), 511)  # a token the twin hardly makes
         token, start = decoder.prefill(prompt)
         _, _, position = decoder.call(token, start)
         q = int(position)  # the next query: it sees positions q - window + 1 .. q - 1 in the ring
@@ -156,7 +158,8 @@ def test_refusals(setup):
         decoder.generate(ids, 64 - ids.shape[1] - 2)
 
 
-def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup):
+@pytest.mark.parametrize("kind", [draft.DraftDecoder, draft.DraftRingDecoder], ids=lambda kind: kind.__name__)
+def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup, kind):
     checkpoint, model, _, ids = series.load_for_series(backend)  # on this run's backend (xla in CI's xla job)
     with torch.no_grad():
         model(ids)
@@ -164,7 +167,7 @@ def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup):
     folder = twin_assistant.build_twin_assistant(checkpoint.path)
     assistant = draft.load_assistant(folder, backend, torch.float32)
     torch._dynamo.reset()
-    decoder = draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, 2)
+    decoder = kind(model, assistant, backend, MAX_LEN, 2)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, 16)
     with backend.compile_counter() as again:
@@ -172,3 +175,23 @@ def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup):
     assert (count.graphs, again.graphs) == (3, 0)  # the prefill chunk, the draft, the verify; none per token
     result, _ = judged(tokens, setup, ids.cpu(), 16)
     assert result, result
+
+
+def test_a_chat_that_drafts_replies_as_the_one_that_does_not(setup):
+    """Notebook 08's chat on notebook 09's ring: each turn goes on after drafts kept past the last reply's stop."""
+    from helpers.chat import Chat
+    from helpers.checkpoint import load_tokenizer
+    from helpers.course import hub
+    from helpers.course.twin import CHATS
+    from helpers.ring import RingDecoder
+
+    backend, model, assistant, reference, _ = setup
+    tokenizer = load_tokenizer(hub.choose_checkpoint(backend).path)
+    plain = Chat(eager(RingDecoder(model, backend, MAX_LEN)), tokenizer, max_new_tokens=24)
+    drafted = Chat(eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, 4)), tokenizer, max_new_tokens=24)
+    for question, _ in CHATS[1:3]:
+        plain.say(question)
+        drafted.say(question)
+        ids = torch.tensor([plain.tokens[: len(plain.tokens) - len(plain.replies[-1])]])
+        result = verdict.compare_tokens(drafted.replies[-1], plain.replies[-1], reference, ids)
+        assert result, result

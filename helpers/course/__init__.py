@@ -22,6 +22,7 @@ _MODULES = {
     "tour",
     "tpu",
     "twin",
+    "twin_assistant",
     "verdict",
     "widgets",
 }

@@ -14,14 +14,16 @@ from .. import backend as backends
 from ..backend import Backend, BackendError
 from ..checkpoint import CheckpointError
 from .e2b import CONTEXT, estimate_device_bytes, fit_options, real_config
-from .synthetic import SYNTHETIC, build_synthetic_e2b
+from .synthetic import SYNTHETIC, build_synthetic_assistant, build_synthetic_e2b
 from .tables import fmt_bytes
 from .tpu import tpu_scan
 from .twin import build_tiny_twin
+from .twin_assistant import build_twin_assistant
 
 REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
 # The QAT training's own bf16 weights on the 4-bit grid (the -ct export re-rounded its linears).
 QAT_REPO_ID = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
+ASSISTANT_REPO_ID = "google/gemma-4-E2B-it-assistant"  # its drafter (notebook 09)
 MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, "tiny", or "e2b-synthetic"
 REVISION_VAR = "HELPERS_REVISION"
 
@@ -215,6 +217,16 @@ def fetch(checkpoint: Checkpoint) -> Checkpoint:
         raise CheckpointError(f"cannot reach the Hub for {checkpoint.source} ({unreachable}) and it is not cached.")
     folder = snapshot_download(checkpoint.source, revision=checkpoint.revision, token=token, allow_patterns=_PATTERNS)
     return dataclasses.replace(checkpoint, folder=str(folder))
+
+
+def choose_assistant(checkpoint: Checkpoint) -> pathlib.Path:
+    """The folder of ``checkpoint``'s assistant: the twin's (trained offline, cached), the synthetic checkpoint's
+    (random, E2B's widths), or Google's, fetched once."""
+    if checkpoint.tiny:
+        return build_twin_assistant(checkpoint.path)
+    if checkpoint.synthetic:
+        return build_synthetic_assistant(checkpoint.path)
+    return fetch(Checkpoint(ASSISTANT_REPO_ID, None, False, "Google's assistant for E2B")).path
 
 
 # --- preflight: refuse before loading what cannot fit ----------------------------------------

@@ -11,6 +11,7 @@ import torch
 from .. import roofline
 from ..backend import Backend, CompileCount
 from ..decode import Decoder, kv_buffers
+from ..draft import draft_bytes
 from ..fused import fuse_projections
 from ..qlinear import keep_linears_compressed
 from ..qtable import keep_embed_in_4bit
@@ -29,6 +30,7 @@ COMPILED = "04 compiled decode"
 TABLE = "05 4-bit table"
 RING = "06 ring cache"
 PAST = "07 past the source"
+DRAFT = "09 draft and verify"
 MAX_LEN = 256  # notebook 07's cache positions: prompt and tokens with room to spare
 KS = ((1, 4), (1, 2))  # notebook 07's K, elsewhere and on xla: each K is a compile, a minute or more on a CPU
 
@@ -240,3 +242,24 @@ def record_variants(results: Results, backend: Backend, rows: list[dict]) -> lis
         "real_model",
     )
     return [results.add(PAST, r["variant"], backend=backend.name, **{k: r[k] for k in keys}) for r in rows]
+
+
+# --- 09 ----------------------------------------------------------------------------------------
+def record_draft(results: Results, series: Series, decoder, tokens: list[int], compiled: CompileCount, runs) -> dict:
+    """Notebook 09's row for one K: tok/s, tokens per verify, and the roofline per token made: a call reads the
+    target's step once and the assistant's K times, for 1 + (drafts kept) tokens."""
+    per_call = 1 + statistics.mean(decoder.kept)
+    step = roofline.step_bytes(decoder.model, decoder.cache)
+    read = (step + decoder.draft_tokens * draft_bytes(decoder)) / per_call
+    return results.add(
+        DRAFT,
+        f"{type(decoder).__name__}, K={decoder.draft_tokens}",
+        backend=decoder.backend.name,
+        **measured_on(series.checkpoint),
+        K=decoder.draft_tokens,
+        tokens_per_verify=per_call,
+        same_tokens=bool(series.same_tokens(tokens)),
+        compiles=compiled.graphs,
+        first_call_s=compiled.seconds,
+        **timed_columns(decoder.backend, runs, round(read)),
+    )

@@ -212,3 +212,45 @@ def build_synthetic_e2b(folder: str | os.PathLike | None = None, seed: int = 0, 
         (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Gemma4Processor"}))
         (folder / "twin.json").write_text(json.dumps({"synthetic": SYNTHETIC_VERSION, "seed": seed, "bytes": written}))
     return folder
+
+
+# Google's assistant's configuration is not in this repository's sources: E2B's widths, four layers (three sliding,
+# one full, all reading the target's K/V) and transformers' defaults for the ordered head (2,048 centroids, top 32).
+ASSISTANT_LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
+
+
+def build_synthetic_assistant(target: str | os.PathLike, seed: int = 0) -> pathlib.Path:
+    """A random ``Gemma4AssistantForCausalLM`` in bf16 at E2B's widths beside the synthetic checkpoint ``target``."""
+    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig, GenerationConfig
+
+    target = pathlib.Path(target)
+    folder = target.parent / f"{target.name}-assistant-seed{seed}"
+    with building(folder) as done:
+        if not done:
+            real = e2b.real_config().get_text_config()
+            text = Gemma4TextConfig(
+                **{
+                    k: getattr(real, k)
+                    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
+                },
+                **{
+                    k: getattr(real, k)
+                    for k in ("num_key_value_heads", "head_dim", "global_head_dim", "sliding_window")
+                },
+                num_hidden_layers=len(ASSISTANT_LAYERS),
+                layer_types=ASSISTANT_LAYERS,
+                num_kv_shared_layers=len(ASSISTANT_LAYERS),
+                hidden_size_per_layer_input=0,
+                vocab_size_per_layer_input=0,
+                use_double_wide_mlp=False,
+            )
+            config = Gemma4AssistantConfig(
+                text_config=text, backbone_hidden_size=real.hidden_size, use_ordered_embeddings=True
+            )
+            torch.manual_seed(seed)
+            assistant = Gemma4AssistantForCausalLM(config).to(torch.bfloat16)
+            assistant.masked_embedding.token_ordering.copy_(torch.randperm(text.vocab_size))
+            assistant.save_pretrained(folder)
+            GenerationConfig(num_assistant_tokens=4, num_assistant_tokens_schedule="constant").save_pretrained(folder)
+            (folder / "twin.json").write_text(json.dumps({"seed": seed}))  # written last: the build is done
+    return folder

@@ -10,6 +10,7 @@ import pathlib
 
 import torch
 
+from ..backend import Backend
 from ..checkpoint import load, load_tokenizer
 from . import twin
 
@@ -115,8 +116,6 @@ def _train(model, assistant, sequences: list[list[int]], steps: int = TRAIN_STEP
 
 def _build(folder: pathlib.Path, target: pathlib.Path, seed: int) -> None:
     from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig, GenerationConfig
-
-    from ..backend import Backend
 
     torch.manual_seed(seed)
     model, _ = load(target, Backend("cpu"), dtype=torch.float32, dequantize=True)
