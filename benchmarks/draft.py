@@ -51,9 +51,9 @@ for loop in loops.values():  # compiled before timing
     loop.generate(ids, n, stop_ids=())
 for _ in range(args.rounds):
     for name, loop in loops.items():
-        timed = time_fn(loop.generate, ids, n, stop_ids=(), warmup=0, repeats=1)
+        timed = time_fn(loop.generate, ids, n, stop_ids=(), sync=backend.sync, warmup=0, repeats=1)
         runs[name].append(n / timed.median)
-    runs["HF assisted generate, K=4"].append(n / time_fn(hf_assisted, warmup=0, repeats=1).median)
+    runs["HF assisted generate, K=4"].append(n / time_fn(hf_assisted, sync=backend.sync, warmup=0, repeats=1).median)
 
 best_one = max((statistics.median(runs[name]), name) for name in loops if not name.startswith("09"))
 hf_rate = statistics.median(runs["HF assisted generate, K=4"])

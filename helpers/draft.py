@@ -9,6 +9,7 @@ import torch
 from .checkpoint import unique_tensors
 from .decode import Decoder, kv_buffers, set_length
 from .ring import EMPTY, RingDecoder, as_mask
+from .sampling import Sampled, gumbel
 
 
 def load_assistant(folder, backend, dtype: torch.dtype = torch.bfloat16):
@@ -36,26 +37,34 @@ def draft_masks(key_positions: dict, position: torch.Tensor, window: int) -> dic
     return masks
 
 
-def draft_token(assistant, hidden: torch.Tensor) -> torch.Tensor:
-    """The assistant's argmax [1, 1]. With ordered embeddings, only its top centroids' tokens are scored, as HF's
-    masked embedder scores them, without its host read of their minimum (a graph break)."""
+def draft_scores(assistant, hidden: torch.Tensor):
+    """The assistant's scores [1, 1, N] and the ids they score [1, 1, N]: every token, or with ordered embeddings only its
+    top centroids' tokens, as HF's masked embedder scores them, without its host read of their minimum (a graph
+    break)."""
     ordered = assistant.masked_embedding
     if ordered is None:
-        return assistant.lm_head(hidden).argmax(-1)
+        scores = assistant.lm_head(hidden)
+        return scores, torch.arange(scores.shape[-1], device=scores.device).expand(scores.shape)
     top = ordered.centroids(hidden).topk(ordered.centroid_intermediate_top_k, dim=-1).indices
     ids = ordered.token_ordering.view(ordered.num_centroids, -1)[top].flatten(-2)  # [1, 1, tokens scored]
-    scores = (hidden.unsqueeze(-2) @ assistant.lm_head.weight[ids].transpose(-1, -2)).squeeze(-2)
+    return (hidden.unsqueeze(-2) @ assistant.lm_head.weight[ids].transpose(-1, -2)).squeeze(-2), ids
+
+
+def draft_token(assistant, hidden: torch.Tensor) -> torch.Tensor:
+    """The assistant's argmax [1, 1]."""
+    scores, ids = draft_scores(assistant, hidden)
     return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def assist(assistant, embedding, hidden, position, shared_kv: dict, masks: dict):
     """One assistant forward as HF's, with the masks given (HF's builds them from a padding mask, which a static or ring
-    buffer's unwritten slots are not): the draft token and the hidden state the next draft starts from."""
+    buffer's unwritten slots are not): its last hidden state, which scores the draft, and the hidden state the next
+    draft starts from."""
     x = assistant.pre_projection(torch.cat([embedding, hidden], dim=-1))
     out = assistant.model(
         inputs_embeds=x, attention_mask=masks, position_ids=position, shared_kv_states=shared_kv, use_cache=False
     )
-    return draft_token(assistant, out.last_hidden_state), assistant.post_projection(out.last_hidden_state)
+    return out.last_hidden_state, assistant.post_projection(out.last_hidden_state)
 
 
 def draft_bytes(decoder) -> int:
@@ -93,20 +102,23 @@ class Drafted:
         keys = self.cache.layers[self.owners["full_attention"]].keys
         return dict.fromkeys(self.owners, torch.arange(keys.shape[2], device=keys.device))
 
+    def shared(self, position):
+        """What every draft at ``position`` reads: the target's shared K/V, and the masks over it."""
+        layers = {kind: self.cache.layers[i] for kind, i in self.owners.items()}
+        implementation = self.assistant.config.get_text_config()._attn_implementation
+        allowed = draft_masks(self.key_positions(), position.view(()), self.window)
+        masks = {kind: as_mask(m[None], implementation) for kind, m in allowed.items()}
+        return {kind: (layer.keys, layer.values) for kind, layer in layers.items()}, masks
+
     def draft(self, token, hidden, position):
         """K tokens [1, K] after ``token`` at ``position``, ``hidden`` the target's before it: K assistant forwards at
         that one position, over the target's K/V (the assistant keeps no cache), each fed the last draft and the hidden
         state it left."""
-        layers = {kind: self.cache.layers[i] for kind, i in self.owners.items()}
-        shared_kv = {kind: (layer.keys, layer.values) for kind, layer in layers.items()}
-        allowed = draft_masks(self.key_positions(), position.view(()), self.window)
-        masks = {
-            k: as_mask(m[None], self.assistant.config.get_text_config()._attn_implementation)
-            for k, m in allowed.items()
-        }
+        shared_kv, masks = self.shared(position)
         embed, drafts = self.model.get_input_embeddings(), []
         for _ in range(self.draft_tokens):
-            token, hidden = assist(self.assistant, embed(token), hidden, position, shared_kv, masks)
+            last, hidden = assist(self.assistant, embed(token), hidden, position, shared_kv, masks)
+            token = draft_token(self.assistant, last)
             drafts.append(token)
         return torch.cat(drafts, dim=1)
 
@@ -222,3 +234,63 @@ class DraftRingDecoder(Drafted, RingDecoder):
     @torch.no_grad()
     def call(self, token, position):
         return Drafted.call(self, token, position)  # one ring for the whole context: no bucket to fit
+
+
+class Speculative(Sampled):
+    """Notebook 09's drafts sampled (first among a draft decoder's bases): the assistant draws each draft from its warped
+    distribution q, the target keeps it with probability min(1, p/q), p its own, and at the first it does not keep
+    draws from max(p - q, 0) renormalised (every draft kept: its next token from p). The tokens then follow p exactly
+    (Leviathan et al., 2023). Each draw is notebook 08's Gumbel-max, keyed on (seed + stream, position)."""
+
+    def draw(self, probs, positions, stream: int):
+        """One token per row of ``probs`` [N, vocab] (unnormalised), at ``positions`` [N]."""
+        return (probs.log() + gumbel(self.seed + stream, positions, probs.shape[-1])).argmax(-1)
+
+    def draft(self, token, hidden, position):
+        if not self.sampler.do_sample:
+            return super().draft(token, hidden, position)
+        shared_kv, masks = self.shared(position)
+        embed, drafts, probs = self.model.get_input_embeddings(), [], []
+        for i in range(self.draft_tokens):
+            last, hidden = assist(self.assistant, embed(token), hidden, position, shared_kv, masks)
+            scores, ids = draft_scores(self.assistant, last)
+            q = torch.zeros(1, self.model.lm_head.out_features, device=last.device)
+            q = q.scatter(-1, ids[0], self.sampler.scores(scores[0]).softmax(-1))
+            token = self.draw(q, position.view(-1) + 1 + i, 1).view(1, 1)
+            drafts.append(token)
+            probs.append(q)
+        return torch.cat(drafts, dim=1), torch.cat(probs)
+
+    def verify(self, token, drafts, position):
+        if not self.sampler.do_sample:
+            return super().verify(token, drafts, position)
+        drafts, q = drafts
+        self.backend.donate(*kv_buffers(self.cache))
+        tokens = torch.cat([token, drafts], dim=1)
+        steps = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = position + steps
+        hidden = self.target(tokens, positions).last_hidden_state
+        p = self.sampler.scores(self.head(hidden[0])).softmax(-1)  # [K+1, vocab]: the target's, after each token
+        at, chosen = positions[0] + 1, drafts[0][:, None]
+        uniform = torch.exp(-torch.exp(-gumbel(self.seed + 3, at[:-1], 1)[:, 0]))  # a Gumbel variable back to (0, 1)
+        kept = (uniform * q.gather(1, chosen)[:, 0] < p[:-1].gather(1, chosen)[:, 0]).long().cumprod(0).sum()
+        beyond = (p[:-1] - q).clamp_min(0)  # all 0 only where p = q up to rounding: then p itself
+        beyond = torch.where(beyond.sum(-1, keepdim=True) > 0, beyond, p[:-1])
+        made = self.draw(torch.cat([beyond, p[-1:]]), at, 2)  # row i: drawn if drafts before i are kept
+        out = torch.where(steps == kept, made, torch.cat([drafts[0], drafts[0, -1:]]))
+        self.rewind(position.view(()) + kept + 1)
+        block = torch.where(steps <= kept, out, -1)
+        return (
+            block[None],
+            made.index_select(0, kept.view(1))[None],
+            position + kept + 1,
+            hidden.index_select(1, kept.view(1)),
+        )
+
+
+class SpeculativeDecoder(Speculative, DraftDecoder):
+    """Drafts on the static cache, sampled."""
+
+
+class SpeculativeRingDecoder(Speculative, DraftRingDecoder):
+    """Drafts on the ring, sampled: what notebook 08's chat runs with its assistant."""

@@ -81,7 +81,8 @@ def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Ten
     keep state a compiled program cannot carry."""
     key = _mix32(_mix32(seed.view(1, 1).to(torch.int32)) ^ positions.view(-1, 1).to(torch.int32))
     bits = _mix32(key ^ torch.arange(vocab, dtype=torch.int32, device=positions.device).view(1, -1))
-    uniform = (_shr(bits, 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
+    # in (0, 1): 23 bits and a half are exact in float32 (with 24, the largest rounds to 1, its noise to infinity)
+    uniform = (_shr(bits, 9).float() + 0.5) / 2**23
     return -torch.log(-torch.log(uniform))
 
 

@@ -117,7 +117,8 @@ def gumbel(seed: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Ten
     keep state a compiled program cannot carry."""
     key = _mix32(_mix32(seed.view(1, 1).to(torch.int32)) ^ positions.view(-1, 1).to(torch.int32))
     bits = _mix32(key ^ torch.arange(vocab, dtype=torch.int32, device=positions.device).view(1, -1))
-    uniform = (_shr(bits, 8).float() + 0.5) / 2**24  # in (0, 1): 24 bits are exact in float32
+    # in (0, 1): 23 bits and a half are exact in float32 (with 24, the largest rounds to 1, its noise to infinity)
+    uniform = (_shr(bits, 9).float() + 0.5) / 2**23
     return -torch.log(-torch.log(uniform))
 
 
@@ -357,8 +358,8 @@ else:
 # full layers `MAX_LEN` positions); before a turn would pass the full layers' buffer, a clear
 # message instead. The tests check that turn 2's tokens equal those of the whole conversation
 # given as one prompt to the model with no cache. `USE_ASSISTANT = True` below makes it draft
-# with Gemma 4's assistant (notebook 09): replies are then greedy, the target's own tokens
-# (drafting while sampling is not in the course yet).
+# with Gemma 4's assistant (notebook 09's speculative sampling): the same settings, the replies
+# drawn from the target's own distribution, several tokens per pass over its weights.
 
 # %%
 helpers.show(helpers.chat.Chat.say)
@@ -368,8 +369,8 @@ USE_ASSISTANT = False  # True: the chat drafts with Gemma 4's assistant, noteboo
 if USE_ASSISTANT:
     dtype = helpers.course.hub.series_dtype(checkpoint)
     assistant = helpers.draft.load_assistant(helpers.course.hub.choose_assistant(checkpoint), backend, dtype)
-    talker = helpers.draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, draft_tokens=4)
-    print("the chat drafts with Gemma 4's assistant (notebook 09): greedy replies, the target's own tokens")
+    talker = helpers.draft.SpeculativeRingDecoder(model, assistant, backend, MAX_LEN, draft_tokens=4, sampling=settings)
+    print("the chat drafts with Gemma 4's assistant (notebook 09): sampled as before, from the target's distribution")
 else:
     talker = sampled
     print("the chat samples, one token per pass over the weights (USE_ASSISTANT = True drafts, notebook 09)")

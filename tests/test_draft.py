@@ -195,3 +195,73 @@ def test_a_chat_that_drafts_replies_as_the_one_that_does_not(setup):
         ids = torch.tensor([plain.tokens[: len(plain.tokens) - len(plain.replies[-1])]])
         result = verdict.compare_tokens(drafted.replies[-1], plain.replies[-1], reference, ids)
         assert result, result
+
+
+def chi2_999(df: int) -> float:
+    """Chi-square's 0.999 quantile (Wilson-Hilferty: within 3% at 1 degree, closer past it): a correct sampler fails 1 time in 1,000."""
+    a = 2 / (9 * df)
+    return df * (1 - a + 3.0902 * a**0.5) ** 3
+
+
+def chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic of ``counts`` against ``probs`` and its degrees of freedom, tokens expected fewer than 5
+    times pooled in one bin (the statistic's approximation needs 5)."""
+    assert counts[probs == 0].sum() == 0  # nothing outside what top-k keeps
+    expected = probs * counts.sum()
+    rare = (expected < 5) & (probs > 0)
+    observed = torch.cat([counts[expected >= 5], counts[rare].sum().view(1)])
+    expected = torch.cat([expected[expected >= 5], expected[rare].sum().view(1)])
+    keep = expected > 0
+    observed, expected = observed[keep], expected[keep]
+    return float(((observed - expected) ** 2 / expected).sum()), len(expected) - 1
+
+
+def test_speculative_sampling_keeps_the_targets_distribution(setup):
+    """Tokens 2 and 3 of 1,200 seeds, drafted by an untrained assistant (most drafts rejected: the residual draws) and
+    by the trained one (most kept), against their exact distributions under the target, summed over token 1 (and 2)."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
+    from helpers.sampling import sampling_config
+
+    backend, model, assistant, _, ids = setup
+    top_k, runs = 3, 1200
+    warp = TopKLogitsWarper(top_k=top_k)
+    vocab = model.config.get_text_config().vocab_size
+
+    def probs(prefixes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return warp(None, model(prefixes).logits[:, -1].float()).softmax(-1)
+
+    p1 = probs(ids)[0]
+    first = p1.nonzero()[:, 0]
+    p2_given = probs(torch.cat([ids.repeat(len(first), 1), first[:, None]], dim=1))  # [top_k, vocab]
+    p2 = (p1[first, None] * p2_given).sum(0)
+    pairs = [(a, b) for i, a in enumerate(first.tolist()) for b in p2_given[i].nonzero()[:, 0].tolist()]
+    p3_given = probs(torch.cat([ids.repeat(len(pairs), 1), torch.tensor(pairs)], dim=1))
+    weights = torch.tensor([p1[a] * p2_given[first.tolist().index(a), b] for a, b in pairs])
+    p3 = (weights[:, None] * p3_given).sum(0)
+
+    torch.manual_seed(0)
+    untrained = Gemma4AssistantForCausalLM(assistant.config).eval()
+    for drafter in (untrained, assistant):
+        decoder = eager(
+            draft.SpeculativeDecoder(model, drafter, backend, MAX_LEN, 2, sampling=sampling_config(top_k=top_k))
+        )
+        counts = torch.zeros(2, vocab)
+        for seed in range(runs):
+            tokens = decoder.generate(ids, 3, seed=seed, stop_ids=())
+            counts[0, tokens[1]] += 1
+            counts[1, tokens[2]] += 1
+        for c, exact in zip(counts, (p2, p3)):
+            stat, df = chi2(c, exact)
+            assert stat < chi2_999(df), (stat, df)
+    # the statistic sees a wrong distribution: token 2's counts against its probabilities sharpened (p squared)
+    stat, df = chi2(counts[0], p2**2 / (p2**2).sum())
+    assert stat > chi2_999(df), (stat, df)
+
+
+def test_speculative_greedy_is_draft_and_verify(setup):
+    backend, model, assistant, _, ids = setup
+    greedy = eager(draft.SpeculativeRingDecoder(model, assistant, backend, MAX_LEN, 3)).generate(ids, 24, stop_ids=())
+    plain = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, 3)).generate(ids, 24, stop_ids=())
+    assert greedy == plain  # the same code path (no sampler): the same program on the same inputs

@@ -158,7 +158,7 @@ def test_the_noise_is_the_unsigned_32_bit_hash_computed_in_int32():
     for seed in (0, 12345, 2**31 + 7, 2**32 - 1):
         key = mix64(mix64(torch.tensor([[seed]]) & mask) ^ positions.view(-1, 1))
         bits = mix64(key ^ torch.arange(3000).view(1, -1))
-        expected = -torch.log(-torch.log(((bits >> 8).float() + 0.5) / 2**24))
+        expected = -torch.log(-torch.log(((bits >> 9).float() + 0.5) / 2**23))  # 23 bits and a half: below 1
         assert torch.equal(gumbel(torch.tensor([seed]), positions, 3000), expected)
 
     made = []
