@@ -464,8 +464,8 @@ ax.legend()
 # the assistant K times) over the tokens it made.
 #
 # ## Sampling: the target's distribution, kept
-# **What we test:** speculative sampling with notebook 08's sampler (its warpers, its Gumbel-max
-# draws keyed on seed and position): the assistant draws each draft from its own warped
+# **What we test:** speculative sampling with notebook 08's sampler (its warpers, its
+# [Gumbel-max](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#gumbel-max) draws keyed on seed and position): the assistant draws each draft from its own warped
 # distribution q; the target keeps it with probability min(1, p/q), p its own, and at the first
 # draft it does not keep, draws from what p has beyond q, max(p - q, 0) renormalised; with every
 # draft kept, its next token from p. The tokens then follow p exactly (Leviathan et al., 2023),

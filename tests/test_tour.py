@@ -25,12 +25,17 @@ def test_the_tour_runs_every_notebook_in_order_and_collects_their_rows(tmp_path,
         ("05 4-bit table", "4-bit table"),
         ("06 ring cache", "ring cache, 1,088 positions"),
     ]
-    assert {r["step"] for r in rows[8:]} == {"07 past the source"}
+    variants = [r for r in rows[8:] if r["step"] == "07 past the source"]
+    drafted = rows[8 + len(variants) :]
+    assert [(r["step"], r["label"]) for r in drafted] == [
+        ("09 draft and verify", "DraftDecoder, K=3"),
+        ("09 draft and verify", "DraftRingDecoder, K=3"),
+    ]
     assert rows[4]["decode_tok_s"] > 0 and rows[4]["source_tok_s"] == 5
     assert all(r["tok_s_spread"] >= 1 for r in rows[4:])  # fastest / slowest timed run, flagged when large
     assert all(r["bytes_per_token"] > 0 and r["pct_of_bw"] > 0 for r in rows[4:])  # the roofline on every row
-    assert all(r["same_tokens"] and r["compiles"] == 2 and r["first_call_s"] > 0 for r in rows[5:])
-    variants = rows[8:]
+    assert all(r["same_tokens"] and r["compiles"] == 2 and r["first_call_s"] > 0 for r in rows[5:8] + variants)
+    assert all(r["same_tokens"] and r["compiles"] == 3 and r["tokens_per_verify"] > 1 for r in drafted)
     assert len(variants) == 7 and sum(r["label"].endswith("matvec loops") for r in variants) == 5
     assert rows[7]["source_tok_s"] == 38
     for name in [p.name for p in tour.notebooks()]:  # each saved with its outputs, none of them an error
