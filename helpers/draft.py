@@ -133,6 +133,10 @@ class Drafted:
         cap = self.model.config.get_text_config().final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def donate(self) -> None:
+        """A verify's K/V, written in place: reused, not copied (xla)."""
+        self.backend.donate(*kv_buffers(self.cache))
+
     def rewind(self, length) -> None:
         """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
         set_length(self.cache, length)
@@ -141,7 +145,7 @@ class Drafted:
         """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts up to the first
         it disagrees with, then its own token there. Returns those tokens [1, K+1] (-1 past them), the last one, the
         position it goes at and the hidden state before it."""
-        self.backend.donate(*kv_buffers(self.cache))
+        self.donate()
         tokens = torch.cat([token, drafts], dim=1)
         positions = position + torch.arange(tokens.shape[1], device=tokens.device)
         hidden = self.target(tokens, positions).last_hidden_state
@@ -223,6 +227,10 @@ class DraftRingDecoder(Drafted, RingDecoder):
         valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device) if valid is None else valid
         return self.forward_chunk(tokens, positions, valid, self.model.model)
 
+    def donate(self) -> None:
+        if self.backend.donates_a_ring_verify:
+            super().donate()
+
     def rewind(self, length) -> None:
         self.cache.slot_positions.masked_fill_(self.cache.slot_positions >= length, EMPTY)
 
@@ -265,7 +273,7 @@ class Speculative(Sampled):
         if not self.sampler.do_sample:
             return super().verify(token, drafts, position)
         drafts, q = drafts
-        self.backend.donate(*kv_buffers(self.cache))
+        self.donate()
         tokens = torch.cat([token, drafts], dim=1)
         steps = torch.arange(tokens.shape[1], device=tokens.device)
         positions = position + steps

@@ -293,6 +293,10 @@ class Drafted:
         cap = self.model.config.get_text_config().final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
+    def donate(self) -> None:
+        """A verify's K/V, written in place: reused, not copied (xla)."""
+        self.backend.donate(*kv_buffers(self.cache))
+
     def rewind(self, length) -> None:
         """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
         set_length(self.cache, length)
@@ -301,7 +305,7 @@ class Drafted:
         """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts up to the first
         it disagrees with, then its own token there. Returns those tokens [1, K+1] (-1 past them), the last one, the
         position it goes at and the hidden state before it."""
-        self.backend.donate(*kv_buffers(self.cache))
+        self.donate()
         tokens = torch.cat([token, drafts], dim=1)
         positions = position + torch.arange(tokens.shape[1], device=tokens.device)
         hidden = self.target(tokens, positions).last_hidden_state
@@ -383,6 +387,10 @@ class DraftRingDecoder(Drafted, RingDecoder):
         valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device) if valid is None else valid
         return self.forward_chunk(tokens, positions, valid, self.model.model)
 
+    def donate(self) -> None:
+        if self.backend.donates_a_ring_verify:
+            super().donate()
+
     def rewind(self, length) -> None:
         self.cache.slot_positions.masked_fill_(self.cache.slot_positions >= length, EMPTY)
 
@@ -410,9 +418,8 @@ one_token.generate(ids, series.new_tokens)  # compiled before it is timed
 base = helpers.course.measure.timed_generate(one_token, ids, series.timed_tokens, readback_every=16)
 results = helpers.Results()
 rows, kept_at = [], {}
-kinds = (DraftDecoder, DraftRingDecoder) if backend.verifies_on_a_ring else (DraftDecoder,)
 for k in ks:
-    for kind in kinds:
+    for kind in (DraftDecoder, DraftRingDecoder):
         decoder = kind(model, assistant, backend, MAX_LEN, k)
         with backend.compile_counter() as compiled:
             tokens = decoder.generate(ids, series.new_tokens)
@@ -453,9 +460,10 @@ ax.set_title(f"drafts kept, {checkpoint.name} on {backend.name}, this run")
 ax.legend()
 
 # %% [markdown]
-# **What you should see:** the same tokens on both caches, 3 graphs then 0 (on PyTorch/XLA
-# 2.9 the static cache only: its dynamo bridge fails the ring's verify, an error inside torch_xla
-# this course did not get past), and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
+# **What you should see:** the same tokens on both caches, 3 graphs then 0 (on PyTorch/XLA 2.9
+# the ring's verify copies its K/V instead of reusing them: its dynamo bridge fails the verify
+# with them [donated](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated)),
+# and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
 # Whether that is faster depends on what a verify of K+1 tokens costs against one step: on a TPU,
 # where a step is bound by reading the weights, nearly the same (the hypothesis: K+1 = 5 costs
 # under 1.2 steps at E2B; the measurement: `benchmarks/draft.py` on a v5e-1). On a CPU, the
@@ -506,7 +514,7 @@ class Speculative(Sampled):
         if not self.sampler.do_sample:
             return super().verify(token, drafts, position)
         drafts, q = drafts
-        self.backend.donate(*kv_buffers(self.cache))
+        self.donate()
         tokens = torch.cat([token, drafts], dim=1)
         steps = torch.arange(tokens.shape[1], device=tokens.device)
         positions = position + steps
