@@ -467,7 +467,9 @@ ax.legend()
 # Whether that is faster depends on what a verify of K+1 tokens costs against one step: on a TPU,
 # where a step is bound by reading the weights, nearly the same (the hypothesis: K+1 = 5 costs
 # under 1.2 steps at E2B; the measurement: `benchmarks/draft.py` on a v5e-1). On a CPU, the
-# twin's step is bound by Python and dispatch, so the ratio shows the calls saved.
+# twin's step is bound by Python and dispatch, so the ratio shows the calls saved. At E2B's size
+# on a CPU the bet fails (the course's `benchmarks/draft_full_size-cpu-2026-12-06.txt`, a 2-core
+# CPU, eager bf16): a verify of 5 tokens costs 3.8 steps there, its matmuls bound by compute.
 # `bytes_per_token` is this notebook's roofline figure: what a call reads (the target's step once,
 # the assistant K times) over the tokens it made.
 #

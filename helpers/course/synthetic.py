@@ -227,16 +227,10 @@ def build_synthetic_assistant(target: str | os.PathLike, seed: int = 0) -> pathl
     folder = target.parent / f"{target.name}-assistant-seed{seed}"
     with building(folder) as done:
         if not done:
-            real = e2b.real_config().get_text_config()
+            facts = json.loads(e2b.E2B_CONFIG.read_text())  # the checkpoint's widths (its config object hides some)
+            widths = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
             text = Gemma4TextConfig(
-                **{
-                    k: getattr(real, k)
-                    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads")
-                },
-                **{
-                    k: getattr(real, k)
-                    for k in ("num_key_value_heads", "head_dim", "global_head_dim", "sliding_window")
-                },
+                **{k: facts[k] for k in (*widths, "head_dim", "global_head_dim", "sliding_window")},
                 num_hidden_layers=len(ASSISTANT_LAYERS),
                 layer_types=ASSISTANT_LAYERS,
                 num_kv_shared_layers=len(ASSISTANT_LAYERS),
@@ -245,7 +239,7 @@ def build_synthetic_assistant(target: str | os.PathLike, seed: int = 0) -> pathl
                 use_double_wide_mlp=False,
             )
             config = Gemma4AssistantConfig(
-                text_config=text, backbone_hidden_size=real.hidden_size, use_ordered_embeddings=True
+                text_config=text, backbone_hidden_size=facts["hidden_size"], use_ordered_embeddings=True
             )
             torch.manual_seed(seed)
             assistant = Gemma4AssistantForCausalLM(config).to(torch.bfloat16)
