@@ -101,10 +101,11 @@ def variant_chart(rows: list[dict], title: str):
 
 
 def closing_charts(results: Results):
-    """Decode tok/s beside the source's, device bytes, and % of read bandwidth, for every step."""
+    """Decode tok/s beside the source's, device bytes, bytes read per token and % of read bandwidth, for every step."""
     return (
         results.chart("decode_tok_s", "decode tokens/s, all steps", source="source_tok_s"),
         results.chart("device_bytes", "weights + KV cache on the device (bytes, from the tensors)"),
+        results.chart("bytes_per_token", "bytes read per token made (09: a call's reads over the tokens it keeps)"),
         results.chart("pct_of_bw", "% of this device's read bandwidth (bytes per token x tok/s)"),
     )
 

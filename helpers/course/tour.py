@@ -38,6 +38,7 @@ COLUMNS = [
     "source_tok_s",
     "tok_s_spread",
     "bytes_per_token",
+    "tokens_per_verify",
     "GB_per_s",
     "pct_of_bw",
 ]
