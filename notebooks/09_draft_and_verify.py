@@ -466,7 +466,7 @@ ax.legend()
 # and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
 # Whether that is faster depends on what a verify of K+1 tokens costs against one step: on a TPU,
 # where a step is bound by reading the weights, nearly the same (the hypothesis: K+1 = 5 costs
-# under 1.2 steps at E2B; the measurement: `benchmarks/draft.py` on a v5e-1). On a CPU, the
+# under 1.2 steps at E2B; the measurement: `benchmarks/draft_full_size.py` on a v5e-1). On a CPU, the
 # twin's step is bound by Python and dispatch, so the ratio shows the calls saved. At E2B's size
 # on a CPU the bet fails (the course's `benchmarks/draft_full_size-cpu-2026-12-06.txt`, a 2-core
 # CPU, eager bf16): a verify of 5 tokens costs 3.8 steps there, its matmuls bound by compute.
