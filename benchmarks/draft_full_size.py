@@ -1,9 +1,12 @@
 """Draft and verify at E2B's size, on the synthetic pair (the synthetic checkpoint and a random assistant at E2B's
-widths, bf16, CPU), run as written (eager: a compile per shape at this size is minutes on 2 cores): one decode step,
-a verify of K+1 = 2..7 tokens and a draft of K = 4, interleaved over rounds, and the tok/s they imply at others'
-acceptance (3.21 tokens per verify at K = 4, vLLM TPU with Google's assistant, xbill9/gemma4-dev).
+widths, bf16; this CPU unless told): one decode step, a verify of K+1 = 2..7 tokens and a draft of K = 4, interleaved over rounds, and
+the tok/s they imply at others' acceptance (3.21 tokens per verify at K = 4, vLLM TPU with Google's assistant,
+xbill9/gemma4-dev). Eager by default; ``--compiled`` compiles each call as notebooks 04 and 09 do (one graph per
+shape: minutes each on 2 cores) and times HF's ``generate`` with its static cache and compiled forward in the same
+run, the target's yardstick, with the same-token verdict of the draft decoder's own tokens against HF's. Both print
+why a verify costs what it does here: one of E2B's linears at 1..7 rows.
 
-    python benchmarks/draft_full_size.py [--rounds 3] [--context 64]
+    python benchmarks/draft_full_size.py [--backend cpu|cuda|tpu] [--rounds 3] [--context 64] [--compiled] [--tokens 16]
 """
 
 import argparse
@@ -17,55 +20,93 @@ os.environ.setdefault("HELPERS_MODEL", "e2b-synthetic")
 
 import helpers  # noqa: E402
 from helpers import checkpoint, decode, draft  # noqa: E402
-from helpers.course import hub  # noqa: E402
+from helpers.course import hub, measure, verdict  # noqa: E402
 from helpers.course.tables import table  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("--backend", help="cpu, cuda or tpu (default: detected, or $HELPERS_BACKEND)")
 parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--context", type=int, default=64, help="prompt positions in the cache before each call")
+parser.add_argument("--compiled", action="store_true", help="compile each call; time HF's compiled recipe beside")
+parser.add_argument("--tokens", type=int, default=16, help="--compiled: tokens per run of HF's generate")
 args = parser.parse_args()
 ACCEPTED, K = 3.21, 4  # others' figure: tokens per verify at 4 drafts
 
-backend = helpers.get_backend("cpu")
+backend = helpers.get_backend(args.backend)
+print(hub.describe(backend))
 source = hub.choose_checkpoint(backend)
 print(source)
 model, load_s = checkpoint.load(source.path, backend, dtype=torch.bfloat16, dequantize=True)
 decode.strip_compressed_wrappers(model)
 assistant = draft.load_assistant(hub.choose_assistant(source), backend, torch.bfloat16)
 print(f"loaded in {load_s:.0f} s; assistant {sum(p.numel() for p in assistant.parameters()) / 1e6:.0f} M parameters")
-decoder = draft.DraftDecoder(model, assistant, backend, 256, K)
-decoder.prefill_step = decoder._prefill  # as written: no compile
-ids = torch.randint(3, 1000, (1, args.context), generator=torch.Generator().manual_seed(0))
-with torch.no_grad():
-    token, position = decoder.prefill(ids)
-    hidden = decoder.hidden
 
 
 def timed(fn) -> float:
     start = time.perf_counter()
     with torch.no_grad():
         fn()
+    backend.sync()
     return time.perf_counter() - start
+
+
+# why a verify costs what it does on this machine: one linear of the target at 1..7 rows, as torch runs it eagerly
+weight = next(m.weight for n, m in model.named_modules() if n.endswith("mlp.gate_proj"))
+rows = []
+for m in range(1, 8):
+    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    times = [timed(lambda x=x: torch.nn.functional.linear(x, weight)) for _ in range(20)]
+    rows.append({"rows": m, "median ms": 1e3 * statistics.median(times), "spread": max(times) / min(times)})
+for row in rows:
+    row["x one row"] = row["median ms"] / rows[0]["median ms"]
+print(f"one linear of the target, {tuple(weight.shape)} {weight.dtype}, eager, at 1..7 rows (20 calls each):")
+print(table(rows))
+
+hf = None
+if args.compiled:  # HF's recipe first, on the same weights: its forward compiled, its static cache
+    tokenizer = checkpoint.load_tokenizer(source.path)
+    prompt = checkpoint.chat_ids(tokenizer, backend.device)
+    start = time.perf_counter()
+    with measure.compiled_forward(model), backend.compile_counter() as count:
+        hf = measure.measure(model, tokenizer, prompt, backend, args.tokens, cache_implementation="static")
+    print(
+        f"HF generate, static cache + compiled forward: {hf['decode_tok_s']:.2f} tok/s (spread "
+        f"{hf['tok_s_spread']:.2f}, {count.graphs} graphs, {time.perf_counter() - start:.0f} s with its compiles)"
+    )
+    torch._dynamo.reset()
+
+decoder = draft.DraftDecoder(model, assistant, backend, 256, K)
+decoder.prefill_step = decoder._prefill  # the prefill is not timed: not compiled
+step_fn, verify_fn, draft_fn = (
+    (decoder.decode_step, decoder.verify_step, decoder.draft_step)
+    if args.compiled
+    else (decoder.step, decoder.verify, decoder.draft)
+)
+vocab = model.config.get_text_config().vocab_size
+ids = torch.randint(3, min(1000, vocab), (1, args.context), generator=torch.Generator().manual_seed(0))
+ids = ids.to(backend.device)
+with torch.no_grad():
+    token, position = decoder.prefill(ids)
+    hidden = decoder.hidden
 
 
 def step():
     decode.set_length(decoder.cache, args.context)
-    decoder.step(token, position)
+    step_fn(token, position)
 
 
 def verify(k):
     decode.set_length(decoder.cache, args.context)
-    decoder.verify(token, torch.full((1, k), 5), position)
+    verify_fn(token, torch.full((1, k), 5, device=backend.device), position)
 
 
 def drafts():
-    decoder.draft(token, hidden, position)
+    draft_fn(token, hidden, position)
 
 
 calls = {"one step": step, **{f"verify K+1={k + 1}": (lambda k=k: verify(k)) for k in range(1, 7)}, "draft K=4": drafts}
 times = {name: [] for name in calls}
-for fn in calls.values():  # once each before timing: first-call costs out of the rounds
-    fn()
+first = {name: timed(fn) for name, fn in calls.items()}  # once each before timing: compiles out of the rounds
 for _ in range(args.rounds):
     for name, fn in calls.items():
         times[name].append(timed(fn))
@@ -73,6 +114,7 @@ step_s = statistics.median(times["one step"])
 rows = [
     {
         "call": n,
+        "first call s": first[n],
         "median s": statistics.median(t),
         "spread": max(t) / min(t),
         "x one step": statistics.median(t) / step_s,
@@ -81,7 +123,17 @@ rows = [
 ]
 print(table(rows))
 verify_s = statistics.median(times["verify K+1=5"]) + statistics.median(times["draft K=4"])
+implied = ACCEPTED / verify_s
+how = "compiled" if args.compiled else "eager"
 print(
-    f"at {ACCEPTED} tokens per verify (K = 4, others' figure): {ACCEPTED / verify_s:.2f} tok/s against one step's "
-    f"{1 / step_s:.2f}: {ACCEPTED * step_s / verify_s:.2f}x (eager bf16 on this CPU; not HF's compiled recipe)"
+    f"at {ACCEPTED} tokens per verify (K = 4, others' figure): {implied:.2f} tok/s against one step's "
+    f"{1 / step_s:.2f}: {implied * step_s:.2f}x ({how} bf16, {backend.name})"
 )
+if hf is not None:
+    print(f"against HF's static cache + compiled forward ({hf['decode_tok_s']:.2f} tok/s, same run): ", end="")
+    print(
+        f"{implied / hf['decode_tok_s']:.2f}x (target >= 2x); one compiled step: {1 / step_s / hf['decode_tok_s']:.2f}x"
+    )
+    with torch.no_grad():  # the draft decoder's own tokens (random drafts: nearly all rejected) against HF's
+        tokens = measure.until_stop(decoder.generate(prompt, args.tokens, stop_ids=()), measure.stop_ids(model))
+    print("same tokens as HF's:", verdict.compare_tokens(tokens, hf["tokens"], model, prompt))

@@ -465,13 +465,15 @@ ax.legend()
 # with them [donated](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated)),
 # and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
 # Whether that is faster depends on what a verify of K+1 tokens costs against one step: on a TPU,
-# where a step is bound by reading the weights, nearly the same (the hypothesis: K+1 = 5 costs
-# under 1.2 steps at E2B; the measurement: `benchmarks/draft_full_size.py` on a v5e-1). On a CPU, the
-# twin's step is bound by Python and dispatch, so the ratio shows the calls saved. At E2B's size
-# on a CPU the bet fails (the course's `benchmarks/draft_full_size-cpu-2026-12-06.txt`, a 2-core
-# CPU, eager bf16): a verify of 5 tokens costs 3.8 steps there, its matmuls bound by compute.
-# `bytes_per_token` is this notebook's roofline figure: what a call reads (the target's step once,
-# the assistant K times) over the tokens it made.
+# where a step is bound by reading the weights, nearly the same (the hypothesis: K+1 = 5 costs under
+# 1.2 steps at E2B; the measurement: `benchmarks/draft_full_size.py --backend tpu --compiled` on a
+# v5e-1). On a CPU, the twin's step is bound by Python and dispatch, so the ratio shows the calls
+# saved. At E2B's size on a CPU the bet fails (the course's
+# `benchmarks/draft_full_size-cpu-2026-12-06-compiled.txt`, a 2-core CPU, compiled bf16): a verify
+# of 5 tokens costs 3.3 steps there, its matmuls bound by compute, and at the real pair's 3.21 of 4
+# drafting would run at 0.65x HF's compiled `generate`. `bytes_per_token` is this notebook's
+# roofline figure: what a call reads (the target's step once, the assistant K times) over the tokens
+# it made.
 #
 # ## Sampling: the target's distribution, kept
 # **What we test:** speculative sampling with notebook 08's sampler (its warpers, its
