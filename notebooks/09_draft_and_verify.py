@@ -469,9 +469,9 @@ ax.legend()
 # 1.2 steps at E2B; the measurement: `benchmarks/draft_full_size.py --backend tpu --compiled` on a
 # v5e-1). On a CPU, the twin's step is bound by Python and dispatch, so the ratio shows the calls
 # saved. At E2B's size on a CPU the bet fails (the course's
-# `benchmarks/draft_full_size-cpu-2026-12-06-compiled.txt`, a 2-core CPU, compiled bf16): a verify
-# of 5 tokens costs 3.3 steps there, its matmuls bound by compute, and at the real pair's 3.21 of 4
-# drafting would run at 0.65x HF's compiled `generate`. `bytes_per_token` is this notebook's
+# `benchmarks/draft_full_size-cpu-2026-12-06-compiled-2.txt`, a 2-core CPU, compiled bf16): a verify
+# of 5 tokens costs 3.7 steps there, its matmuls bound by compute, and at the real pair's 3.21 of 4
+# drafting would run at 0.74x HF's compiled `generate`. `bytes_per_token` is this notebook's
 # roofline figure: what a call reads (the target's step once, the assistant K times) over the tokens
 # it made.
 #
