@@ -113,14 +113,14 @@ class Drafted:
     def draft(self, token, hidden, position):
         """K tokens [1, K] after ``token`` at ``position``, ``hidden`` the target's before it: K assistant forwards at
         that one position, over the target's K/V (the assistant keeps no cache), each fed the last draft and the hidden
-        state it left."""
+        state it left. Returns them and what they were drawn from (None here: each the assistant's argmax)."""
         shared_kv, masks = self.shared(position)
         embed, drafts = self.model.get_input_embeddings(), []
         for _ in range(self.draft_tokens):
             last, hidden = assist(self.assistant, embed(token), hidden, position, shared_kv, masks)
             token = draft_token(self.assistant, last)
             drafts.append(token)
-        return torch.cat(drafts, dim=1)
+        return torch.cat(drafts, dim=1), None
 
     def target(self, tokens, positions):
         """The target's last hidden state [1, C, H] for ``tokens`` [1, C] at ``positions`` [1, C]: its text model's
@@ -141,24 +141,31 @@ class Drafted:
         """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
         set_length(self.cache, length)
 
-    def verify(self, token, drafts, position):
-        """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts up to the first
-        it disagrees with, then its own token there. Returns those tokens [1, K+1] (-1 past them), the last one, the
+    def verify(self, token, drafts, position, q=None):
+        """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts it keeps
+        (``judge``), then its own token after them. Returns those tokens [1, K+1] (-1 past them), the last one, the
         position it goes at and the hidden state before it."""
         self.donate()
         tokens = torch.cat([token, drafts], dim=1)
-        positions = position + torch.arange(tokens.shape[1], device=tokens.device)
+        steps = torch.arange(tokens.shape[1], device=tokens.device)
+        positions = position + steps
         hidden = self.target(tokens, positions).last_hidden_state
-        made = self.pick(self.head(hidden[0]), positions[0] + 1)  # [K+1, 1]: the target's token after each
-        kept = (drafts[0] == made[:-1, 0]).cumprod(0).sum()  # the drafts before the first disagreement
+        kept, made = self.judge(drafts[0], q, self.head(hidden[0]), positions[0] + 1)
         self.rewind(position.view(()) + kept + 1)
-        block = torch.where(torch.arange(tokens.shape[1], device=tokens.device) <= kept, made[:, 0], -1)
+        chosen = torch.where(steps < kept, torch.cat([drafts[0], made[-1:]]), made)  # the kept drafts, then its token
+        block = torch.where(steps <= kept, chosen, -1)
         return (
             block[None],
-            made.index_select(0, kept.view(1)),
+            made.index_select(0, kept.view(1))[None],
             position + kept + 1,
             hidden.index_select(1, kept.view(1)),
         )
+
+    def judge(self, drafts, q, logits, at):
+        """How many of ``drafts`` [K] the target keeps, and the token it makes after each of the K+1 positions [K+1],
+        from its ``logits`` [K+1, vocab] at positions ``at``: greedy, the drafts before its first disagreement."""
+        made = self.pick(logits, at)[:, 0]
+        return (drafts == made[:-1]).cumprod(0).sum(), made
 
     @torch.no_grad()
     def prefill(self, ids, start: int = 0):
@@ -169,8 +176,8 @@ class Drafted:
 
     @torch.no_grad()
     def call(self, token, position):
-        drafts = self.draft_step(token, self.hidden, position)
-        block, token, position, self.hidden = self.verify_step(token, drafts, position)
+        drafts, q = self.draft_step(token, self.hidden, position)
+        block, token, position, self.hidden = self.verify_step(token, drafts, position, q)
         return block, token, position
 
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
@@ -269,31 +276,16 @@ class Speculative(Sampled):
             probs.append(q)
         return torch.cat(drafts, dim=1), torch.cat(probs)
 
-    def verify(self, token, drafts, position):
+    def judge(self, drafts, q, logits, at):
         if not self.sampler.do_sample:
-            return super().verify(token, drafts, position)
-        drafts, q = drafts
-        self.donate()
-        tokens = torch.cat([token, drafts], dim=1)
-        steps = torch.arange(tokens.shape[1], device=tokens.device)
-        positions = position + steps
-        hidden = self.target(tokens, positions).last_hidden_state
-        p = self.sampler.scores(self.head(hidden[0])).softmax(-1)  # [K+1, vocab]: the target's, after each token
-        at, chosen = positions[0] + 1, drafts[0][:, None]
+            return super().judge(drafts, q, logits, at)
+        p = self.sampler.scores(logits).softmax(-1)  # [K+1, vocab]: the target's, after each token
+        chosen = drafts[:, None]
         uniform = torch.exp(-torch.exp(-gumbel(self.seed + 3, at[:-1], 1)[:, 0]))  # a Gumbel variable back to (0, 1)
         kept = (uniform * q.gather(1, chosen)[:, 0] < p[:-1].gather(1, chosen)[:, 0]).long().cumprod(0).sum()
         beyond = (p[:-1] - q).clamp_min(0)  # all 0 only where p = q up to rounding: then p itself
         beyond = torch.where(beyond.sum(-1, keepdim=True) > 0, beyond, p[:-1])
-        made = self.draw(torch.cat([beyond, p[-1:]]), at, 2)  # row i: drawn if drafts before i are kept
-        out = torch.where(steps == kept, made, torch.cat([drafts[0], drafts[0, -1:]]))
-        self.rewind(position.view(()) + kept + 1)
-        block = torch.where(steps <= kept, out, -1)
-        return (
-            block[None],
-            made.index_select(0, kept.view(1))[None],
-            position + kept + 1,
-            hidden.index_select(1, kept.view(1)),
-        )
+        return kept, self.draw(torch.cat([beyond, p[-1:]]), at, 2)  # row i: drawn if drafts before i are kept
 
 
 class SpeculativeDecoder(Speculative, DraftDecoder):

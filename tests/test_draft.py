@@ -47,7 +47,7 @@ class Oracle(draft.DraftDecoder):
         self.sequence = (padded + 1) % vocab if wrong else padded
 
     def draft(self, token, hidden, position):
-        return self.sequence.index_select(0, position.view(-1) + 1 + torch.arange(self.draft_tokens))[None]
+        return self.sequence.index_select(0, position.view(-1) + 1 + torch.arange(self.draft_tokens))[None], None
 
 
 def judged(tokens, setup, ids, new_tokens: int, stop: bool = True):
@@ -111,11 +111,12 @@ def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
     backend, model, assistant, _, _ = setup
     prompt = torch.randint(3, 512, (1, 2 * W + 3), generator=torch.Generator().manual_seed(1))
     k = 4
+    rejected = torch.full((1, k), 511)  # a token the twin hardly makes
     for spare, loses in ((0, True), (k, False)):
         decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k))
         decoder.spare = spare
         decoder.cache = decoder.new_cache(model, MAX_LEN)
-        decoder.draft_step = lambda token, hidden, position: torch.full((1, k), 511)  # a token the twin hardly makes
+        decoder.draft_step = lambda token, hidden, position: (rejected, None)
         token, start = decoder.prefill(prompt)
         _, _, position = decoder.call(token, start)
         q = int(position)  # the next query: it sees positions q - window + 1 .. q - 1 in the ring
