@@ -60,12 +60,10 @@ hf_rate = statistics.median(runs["HF assisted generate, K=4"])
 rows = []
 for name, rates in runs.items():
     loop = loops.get(name)
-    kept = getattr(loop, "kept", None)
     row = {"loop": name, "tok/s": statistics.median(rates), "spread": max(rates) / min(rates)}
-    if kept:
-        k = loop.draft_tokens
-        row["tokens/verify"] = 1 + statistics.mean(kept)
-        row["kept at 1..K"] = " ".join(f"{sum(x >= j for x in kept) / len(kept):.2f}" for j in range(1, k + 1))
+    if isinstance(loop, draft.Drafted):
+        row["tokens/verify"] = loop.tokens_per_verify()
+        row["kept at 1..K"] = " ".join(f"{share:.2f}" for share in loop.kept_at())
     row["x best one-token"] = row["tok/s"] / best_one[0]
     row["x HF assisted"] = row["tok/s"] / hf_rate
     rows.append(row)

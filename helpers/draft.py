@@ -183,6 +183,14 @@ class Drafted:
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
         super().check_room(length, new_tokens, start, self.draft_tokens)  # the last call writes K more positions
 
+    def tokens_per_verify(self) -> float:
+        """The last run's tokens per call: the target's own and the drafts it kept, on average."""
+        return 1 + sum(self.kept) / len(self.kept)
+
+    def kept_at(self) -> list[float]:
+        """Per draft position 1..K, the share of the last run's calls that kept it."""
+        return [sum(n >= j for n in self.kept) / len(self.kept) for j in range(1, self.draft_tokens + 1)]
+
     @torch.no_grad()
     def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
         """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been

@@ -343,6 +343,14 @@ class Drafted:
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
         super().check_room(length, new_tokens, start, self.draft_tokens)  # the last call writes K more positions
 
+    def tokens_per_verify(self) -> float:
+        """The last run's tokens per call: the target's own and the drafts it kept, on average."""
+        return 1 + sum(self.kept) / len(self.kept)
+
+    def kept_at(self) -> list[float]:
+        """Per draft position 1..K, the share of the last run's calls that kept it."""
+        return [sum(n >= j for n in self.kept) / len(self.kept) for j in range(1, self.draft_tokens + 1)]
+
     @torch.no_grad()
     def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
         """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been
@@ -434,9 +442,7 @@ for k in ks:
             assert decoder.generate(ids, series.new_tokens) == tokens  # equal lists: the same programs, same inputs
         timed = helpers.course.measure.timed_generate(decoder, ids, series.timed_tokens, readback_every=16)
         row = helpers.course.steps.record_draft(results, series, decoder, tokens, compiled, timed["rates"])
-        kept_at[f"{kind.__name__}, K={k}"] = [
-            sum(n >= j for n in decoder.kept) / len(decoder.kept) for j in range(1, k + 1)
-        ]
+        kept_at[f"{kind.__name__}, K={k}"] = decoder.kept_at()
         rows.append({**row, "again": again.graphs, "x one-token": row["decode_tok_s"] / base["decode_tok_s"]})
         assert row["same_tokens"] and compiled.graphs == 3 and again.graphs == 0, row
 print(f"notebook 06's one-token ring decoder: {base['decode_tok_s']:.1f} tok/s")
@@ -648,7 +654,7 @@ if untrained.masked_embedding is not None:
     untrained.masked_embedding.token_ordering.copy_(torch.randperm(untrained.vocab_size))
 decoder = DraftDecoder(model, untrained, backend, MAX_LEN, 3)
 tokens = decoder.generate(ids, series.new_tokens)
-print("same tokens:", series.same_tokens(tokens), "| tokens per verify:", 1 + sum(decoder.kept) / len(decoder.kept))
+print("same tokens:", series.same_tokens(tokens), "| tokens per verify:", decoder.tokens_per_verify())
 
 # %% [markdown]
 # **2.** On the twin, how many tokens does a verify make at K = 1, 2, 4 and 6? Where does it stop
@@ -662,4 +668,4 @@ for k in (1, 2, 4, 6):
     decoder = DraftDecoder(model, assistant, backend, MAX_LEN, k)
     decoder.prefill_step, decoder.draft_step, decoder.verify_step = decoder._prefill, decoder.draft, decoder.verify
     decoder.generate(ids, series.new_tokens, stop_ids=())  # run as written, uncompiled: a compile per K otherwise
-    print(f"K = {k}: {1 + sum(decoder.kept) / len(decoder.kept):.2f} tokens per verify")
+    print(f"K = {k}: {decoder.tokens_per_verify():.2f} tokens per verify")

@@ -248,7 +248,7 @@ def record_variants(results: Results, backend: Backend, rows: list[dict]) -> lis
 def record_draft(results: Results, series: Series, decoder, tokens: list[int], compiled: CompileCount, runs) -> dict:
     """Notebook 09's row for one K: tok/s, tokens per verify, and the roofline per token made: a call reads the
     target's step once and the assistant's K times, for 1 + (drafts kept) tokens."""
-    per_call = 1 + statistics.mean(decoder.kept)
+    per_call = decoder.tokens_per_verify()
     step = roofline.step_bytes(decoder.model, decoder.cache)
     read = (step + decoder.draft_tokens * draft_bytes(decoder)) / per_call
     return results.add(
