@@ -4,9 +4,13 @@ the tok/s they imply at others' acceptance (3.21 tokens per verify at K = 4, vLL
 xbill9/gemma4-dev). Eager by default; ``--compiled`` compiles each call as notebooks 04 and 09 do (one graph per
 shape: minutes each on 2 cores) and times HF's ``generate`` with its static cache and compiled forward in the same
 run, the target's yardstick, with the same-token verdict of the draft decoder's own tokens against HF's. Both print
-why a verify costs what it does here: one of E2B's linears at 1..7 rows.
+why a verify costs what it does here: one of E2B's linears at 1..7 rows. ``--int4``: the target's linears kept as the
+checkpoint's int4 codes through torch's int4 kernel where the backend has one (notebook 07's ``QLinear``) for the draft
+decoder's calls, HF's recipe keeping its bf16 linears (swapped back for its second timing); the assistant stays bf16,
+its weights being on no 4-bit grid.
 
-    python benchmarks/draft_full_size.py [--backend cpu|cuda|tpu] [--rounds 3] [--context 64] [--compiled] [--tokens 16]
+    python benchmarks/draft_full_size.py [--backend cpu|cuda|tpu] [--rounds 3] [--context 64] [--compiled] [--int4]
+        [--tokens 16] [--verify 2 3 4 5 6 7]
 """
 
 import argparse
@@ -19,7 +23,7 @@ import torch
 os.environ.setdefault("HELPERS_MODEL", "e2b-synthetic")
 
 import helpers  # noqa: E402
-from helpers import checkpoint, decode, draft  # noqa: E402
+from helpers import checkpoint, decode, draft, qlinear  # noqa: E402
 from helpers.course import hub, measure, verdict  # noqa: E402
 from helpers.course.tables import table  # noqa: E402
 
@@ -29,6 +33,10 @@ parser.add_argument("--rounds", type=int, default=3)
 parser.add_argument("--context", type=int, default=64, help="prompt positions in the cache before each call")
 parser.add_argument("--compiled", action="store_true", help="compile each call; time HF's compiled recipe beside")
 parser.add_argument("--tokens", type=int, default=16, help="--compiled: tokens per run of HF's generate")
+parser.add_argument("--int4", action="store_true", help="the target's linears through the backend's int4 kernel")
+parser.add_argument(
+    "--verify", type=int, nargs="*", default=[2, 3, 4, 5, 6, 7], help="verify sizes K+1 to time (each is a compile)"
+)
 args = parser.parse_args()
 ACCEPTED, K = 3.21, 4  # others' figure: tokens per verify at 4 drafts
 
@@ -53,12 +61,22 @@ def timed(fn) -> float:
 # why a verify costs what it does on this machine: one linear of the target at 1..7 rows, as torch runs it eagerly
 weight = next(m.weight for n, m in model.named_modules() if n.endswith("mlp.gate_proj"))
 rows = []
-for m in range(1, 8):
-    x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
-    times = [timed(lambda x=x: torch.nn.functional.linear(x, weight)) for _ in range(20)]
-    rows.append({"rows": m, "median ms": 1e3 * statistics.median(times), "spread": max(times) / min(times)})
+forms = {"bf16": lambda x: torch.nn.functional.linear(x, weight)}
+if args.int4:
+    grid = torch.randint(-8, 8, weight.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    scales = torch.full((weight.shape[0], weight.shape[1] // 32), 0.01, dtype=weight.dtype)
+    forms["int4 " + str(backend.int4_kernel)] = qlinear.QLinear.of(
+        grid, scales, weight.dtype, "int4", backend.int4_kernel
+    )
+for form, linear in forms.items():
+    for m in range(1, 8):
+        x = torch.randn(m, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        times = [timed(lambda x=x, linear=linear: linear(x)) for _ in range(20)]
+        rows.append(
+            {"form": form, "rows": m, "median ms": 1e3 * statistics.median(times), "spread": max(times) / min(times)}
+        )
 for row in rows:
-    row["x one row"] = row["median ms"] / rows[0]["median ms"]
+    row["x one bf16 row"] = row["median ms"] / rows[0]["median ms"]
 print(f"one linear of the target, {tuple(weight.shape)} {weight.dtype}, eager, at 1..7 rows (20 calls each):")
 print(table(rows))
 
@@ -85,6 +103,9 @@ if args.compiled:
     prompt = checkpoint.chat_ids(tokenizer, backend.device)
     hf_recipe("before")
 
+dense_linears = {n: m for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)}
+if args.int4:
+    print("the target's linears:", qlinear.keep_linears_compressed(model, source.path, "int4", backend.int4_kernel))
 decoder = draft.DraftDecoder(model, assistant, backend, 256, K)
 decoder.prefill_step = decoder._prefill  # the prefill is not timed: not compiled
 step_fn, verify_fn, draft_fn = (
@@ -114,7 +135,8 @@ def drafts():
     draft_fn(token, hidden, position)
 
 
-calls = {"one step": step, **{f"verify K+1={k + 1}": (lambda k=k: verify(k)) for k in range(1, 7)}, "draft K=4": drafts}
+sizes = sorted({*args.verify, K + 1})  # K+1 = 5 always: the implied rate reads it
+calls = {"one step": step, **{f"verify K+1={n}": (lambda k=n - 1: verify(k)) for n in sizes}, "draft K=4": drafts}
 times = {name: [] for name in calls}
 first = {name: timed(fn) for name, fn in calls.items()}  # once each before timing: compiles out of the rounds
 for _ in range(args.rounds):
@@ -137,10 +159,17 @@ implied = ACCEPTED / verify_s
 how = "compiled" if args.compiled else "eager"
 print(
     f"at {ACCEPTED} tokens per verify (K = 4, others' figure): {implied:.2f} tok/s against one step's "
-    f"{1 / step_s:.2f}: {implied * step_s:.2f}x ({how} bf16, {backend.name})"
+    f"{1 / step_s:.2f}: {implied * step_s:.2f}x ({how}, {'int4 linears' if args.int4 else 'bf16'}, {backend.name})"
 )
 if args.compiled:
+    int4_linears = {n: model.model.get_submodule(n) for n in dense_linears}
+    for name, linear in dense_linears.items():  # HF's recipe on its own bf16 linears again
+        parent, _, child = name.rpartition(".")
+        setattr(model.model.get_submodule(parent) if parent else model.model, child, linear)
     hf_recipe("after")
+    for name, linear in int4_linears.items():  # the draft decoder's linears back for its tokens
+        parent, _, child = name.rpartition(".")
+        setattr(model.model.get_submodule(parent) if parent else model.model, child, linear)
     hf_tok_s = statistics.median(hf_rates)
     print(f"against HF's static cache + compiled forward ({hf_tok_s:.2f} tok/s, the median of both): ", end="")
     print(f"{implied / hf_tok_s:.2f}x (target >= 2x); one compiled step: {1 / step_s / hf_tok_s:.2f}x")

@@ -320,11 +320,13 @@ class Backend:
             torch.set_float32_matmul_precision("highest")
 
     @property
-    def int4_by_planes(self) -> bool:
-        """Packed int4 times a decode row plane by plane (``int4.packed_linear``) on a CPU, where inductor leaves the
-        other form a scalar loop five times slower; elsewhere a dequantized matmul a TPU's compiler may fuse into its
-        matrix unit."""
-        return self.name == "cpu"
+    def int4_kernel(self) -> str | None:
+        """Which of torch's weight kernels multiply 4-bit linears here, reading 4 bits a weight in one pass: "cpu" (x86
+        AVX2 and AVX-512), "cuda" on sm80 and later (its kernel needs tensor-core instructions a T4's sm75 lacks: there,
+        dequantized); None on tpu and xla, which have no such kernel: XLA is handed the codes (``QLinear``)."""
+        if self.name == "cuda":
+            return "cuda" if torch.cuda.get_device_capability(self.device) >= (8, 0) else None
+        return "cpu" if self.name == "cpu" else None
 
     def use_matvec_loops(self) -> dict | None:
         """On a CPU, ``compile`` options that make one-row matmuls inductor's own loops (``decompose_mm_pass``),

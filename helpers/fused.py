@@ -18,9 +18,9 @@ class Fused(torch.nn.Module):
         if any(getattr(m, "bias", None) is not None for m in linears):
             raise ValueError("a linear with a bias: Fused keeps bias-free linears only")
         first = linears[0]
-        if isinstance(first, QLinear):
-            codes, scales = torch.cat([m.codes for m in linears]), torch.cat([m.scales for m in linears])
-            self.linear = QLinear(codes, scales, first.dtype, first.fmt, first.by_planes)
+        if isinstance(first, QLinear):  # the checkpoint's codes and scales, concatenated, stored as the parts were
+            codes, scales = (torch.cat(parts) for parts in zip(*(m.unpacked() for m in linears)))
+            self.linear = QLinear.of(codes, scales, first.dtype, first.fmt, first.kernel)
         else:
             weight = torch.cat([m.weight.detach() for m in linears])
             self.linear = torch.nn.Linear(first.in_features, weight.shape[0], bias=False, device="meta")

@@ -118,18 +118,63 @@ def code_planes(packed: torch.Tensor) -> torch.Tensor:
     return (nibbles | negative.to(torch.int32).unsqueeze(-2) * top) - 8
 
 
-def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, by_planes: bool = False
-) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(x, weight)`` for the weight that int32 words [out, in / 8] and scales [out, in / 32] hold, exactly the
-    grid's. For a TPU: dequantized, then a matmul XLA may fuse. ``by_planes`` (a CPU's form): a decode row times the
-    weight plane by plane, each word read once, shifted by a constant per plane; a CPU compiler leaves the unpacked
-    form a scalar loop (``benchmarks/int4_cpu.py``: five times slower)."""
-    if not by_planes or x.shape[:-1].numel() != 1:
-        return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
-    out, words = packed.shape
-    groups, per_group = scales.shape[-1], words // scales.shape[-1]  # 4 words per group of 32
-    planes = code_planes(packed).view(out, 8, groups, per_group)  # [out, plane, group, word]
-    weight = grid_values(planes, scales.view(out, 1, groups, 1), dtype)
-    inputs = x.reshape(groups, per_group, 8).permute(2, 0, 1)  # [plane, group, word], as the weight's
-    return (weight.float() * inputs.float()).sum((-3, -2, -1)).to(x.dtype).view(*x.shape[:-1], out)
+    grid's: dequantized, then a matmul (the form for a backend with no int4 kernel)."""
+    return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
+
+
+def kernel_refusal(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, fmt: str, kernel: str) -> str | None:
+    """Why torch's kernel for ``fmt`` on ``kernel`` ("cpu", "cuda") cannot hold these codes and scales (None: it can):
+    its int4 kernel for ``int4``, its int8 kernel (CPU only, one scale a row) for ``int4-bytes``. The kernels multiply
+    code x scale unrounded where the checkpoint's values round each product to bf16: within the rounding a bf16 model
+    makes everywhere, thousands of float32 ulps off in a float32 one."""
+    if dtype != torch.bfloat16:
+        return f"the model is {dtype}: the kernels multiply code x scale unrounded, the checkpoint's values are bf16's"
+    finer = not torch.equal(scales.to(torch.bfloat16).float(), scales.float())
+    if finer and (fmt == "int4-bytes" or kernel == "cuda"):
+        return f"a scale is finer than bf16, and torch's {kernel} {fmt.replace('4-bytes', '8')} kernel takes bf16"
+    if fmt == "int4-bytes":
+        if kernel != "cpu":
+            return "torch's int8 weight kernel is a CPU one"
+        if not torch.equal(scales, scales[:, :1].expand_as(scales)):
+            return "per-group scales differ within a row: torch's int8 kernel takes one scale a row"
+        return None
+    rows = 16 if kernel == "cpu" else 8
+    if codes.shape[0] % rows or codes.shape[1] % GROUP_SIZE:
+        return f"{tuple(codes.shape)}: the {kernel} kernel takes rows in {rows}s and groups of {GROUP_SIZE}"
+    return None
+
+
+def int4pack(codes: torch.Tensor, scales: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes -8..7 [out, in] and scales [out, in / 32] in the layout of torch's int4 kernel (``kernel``: "cpu" or
+    "cuda"), on their device: unsigned codes (code + 8) packed by torch itself, and [in / 32, out, 2] scales with zero
+    points of 0, so each weight is (code + 8 - 8) x scale; bf16 scales where each is a bf16 number, else float32 (the CPU
+    kernel then multiplies in float32). No value is rounded again."""
+    scales = exact_scales(scales)
+    unsigned = codes.to(torch.int32) + 8
+    if kernel == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+    else:  # two codes a byte, the first in the high nibble; tiles of 16 x inner_k_tiles along the input
+        tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+        pairs = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).contiguous()
+    return packed, scales_and_zeros
+
+
+def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``F.linear`` through torch's int4 kernel: it reads 4 bits a weight and multiplies in one pass (a loop written by
+    hand reads them far below the bandwidth). Each product is code x scale before any rounding, so the result is
+    within the dtype's tolerance of the matmul on the checkpoint's (rounded) values, not equal to it. ``x`` goes in
+    the scales' dtype (float32 for scales finer than bf16) and comes out in its own."""
+    matmul = torch.ops.aten._weight_int4pack_mm_for_cpu if kernel == "cpu" else torch.ops.aten._weight_int4pack_mm
+    out = matmul(x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype), packed, GROUP_SIZE, scales_and_zeros)
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def int4pack_values(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The weight [out, in] as the kernel dequantizes it, read back through an identity in the scales' dtype: one term
+    per output, code x scale exactly, so in bf16 the checkpoint's values; with scales of 1, the codes themselves."""
+    eye = torch.eye(scales_and_zeros.shape[0] * GROUP_SIZE, dtype=scales_and_zeros.dtype, device=packed.device)
+    return int4pack_linear(eye, packed, scales_and_zeros, kernel).t()

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .int4 import ROWS_PER_BLOCK, dequantize, quantize_int4, recover_grid, unpack_rows
+from .int4 import (
+    ROWS_PER_BLOCK,
+    dequantize,
+    int4pack,
+    int4pack_linear,
+    kernel_refusal,
+    quantize_int4,
+    recover_grid,
+    unpack_rows,
+)
 from .packed import GROUP_SIZE, CheckpointTensors, checkpoint_key, table_row_words
 
 
@@ -120,14 +129,25 @@ class QTable(torch.nn.Module):
 
 
 class QHead(torch.nn.Module):
-    """The head tied to a ``QTable``: dequantized, then a matmul (plane by plane, XLA's CPU compiler makes the products
-    whole: 1.61 GB at E2B, ``benchmarks/xla_programs-cpu-2026-12-05-planes-head.txt``)."""
+    """The head tied to a ``QTable``: dequantized, then a matmul; or with ``kernel`` (``Backend.int4_kernel``) the
+    table's codes and scales repacked once for torch's int4 kernel, a copy of its own (a gather and the kernel want
+    different layouts), where the kernel holds them exactly."""
 
-    def __init__(self, table: QTable):
+    def __init__(self, table: QTable, kernel: str | None = None):
         super().__init__()
-        self.table = table
+        self.out_features = table.table.shape[0]  # as the linear it replaces says
+        codes, scales = unpack_rows(table.packed).to(torch.int8), table.scales
+        self.kernel = kernel and not kernel_refusal(codes, scales, table.dtype, "int4", kernel) and kernel
+        if self.kernel:
+            packed, scales_and_zeros = int4pack(codes, scales, self.kernel)
+            self.register_buffer("codes", packed)
+            self.register_buffer("scales", scales_and_zeros)
+        else:
+            self.table = table
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return int4pack_linear(hidden, self.codes, self.scales, self.kernel)
         return torch.nn.functional.linear(hidden, self.table.dequantized())
 
 
@@ -139,8 +159,9 @@ def keep_table_in_4bit(model, folder=None) -> dict:
     return report
 
 
-def keep_embed_in_4bit(model) -> dict:
-    """The measured extra, off by default: the main table in 4-bit too, its tied head a ``QHead`` on it."""
+def keep_embed_in_4bit(model, kernel: str | None = None) -> dict:
+    """The measured extra, off by default: the main table in 4-bit too, its tied head a ``QHead`` on it (through
+    ``kernel`` where it holds the table exactly)."""
     model.model.embed_tokens, report = QTable.from_embedding(model.model.embed_tokens)
-    model.lm_head = QHead(model.model.embed_tokens)
-    return report
+    model.lm_head = QHead(model.model.embed_tokens, kernel)
+    return report | {"head": f"torch's {model.lm_head.kernel} int4 kernel" if model.lm_head.kernel else "dequantized"}

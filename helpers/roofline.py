@@ -15,14 +15,19 @@ def _row_bytes(table) -> int:
 
 
 def step_bytes(model, cache=None) -> int:
-    """Bytes one decode step reads as stored: every tensor once, one row of the per-layer table, the K and V each layer
+    """Bytes one decode step reads as stored: every tensor once, one row of each gathered table (the per-layer one, and
+    the main one where the head does not multiply by it: a 4-bit head with a copy of its own), the K and V each layer
     reads."""
-    table = model.model.embed_tokens_per_layer
     every = unique_tensors(model)
-    for key in unique_tensors(table):
-        every.pop(key, None)
+    head = unique_tensors(model.lm_head)
+    tables = [model.model.embed_tokens_per_layer, model.model.embed_tokens]
+    gathered = [t for t in tables if not unique_tensors(t).keys() & head.keys()]
+    for table in gathered:
+        for key in unique_tensors(table):
+            every.pop(key, None)
     weights = sum(t.numel() * t.element_size() for t in every.values())
-    return weights + _row_bytes(table) + (cache_read_bytes(model, cache) if cache is not None else 0)
+    rows = sum(_row_bytes(table) for table in gathered)
+    return weights + rows + (cache_read_bytes(model, cache) if cache is not None else 0)
 
 
 def columns(bytes_per_token: int, tok_s: float, bandwidth: float) -> dict:

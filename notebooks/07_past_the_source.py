@@ -187,14 +187,12 @@ print(f"read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})")
 # `decompose_mm_pass`), vectorized, with a compressed weight's dequantization inside the same
 # kernel, where MKL's matrix-vector product reads a short row at well under half the
 # bandwidth (on a TPU, XLA writes every matmul itself: there is no such switch to make); the
-# linear that stays compressed on the device, in one of two forms (`Backend.int4_by_planes`):
-# on a TPU, XLA and a GPU, the weight dequantized and multiplied (`F.linear(x, dequantize(...))`),
-# which a TPU's compiler may fuse so that its matrix unit reads the packed words; on a CPU, a
-# decode row multiplied plane by plane (the same products, each word read once, shifted by a
-# constant per plane), since inductor left the other form a scalar loop five times slower. The
-# planes are elementwise work, which on a TPU would run on its vector unit, not its matrix
-# unit: that form is for a CPU compiler only. Last, the fused linear whose one matmul serves q,
-# k and v (or gate and up): transformers' attention calls them in turn on the same hidden states.
+# linear that stays compressed on the device, in the backend's form (`Backend.int4_kernel`):
+# on a CPU and on a CUDA GPU of sm80 or later, torch's own int4 weight kernel, which reads 4
+# bits a weight and multiplies in one pass (the one gpt-fast and torchao call); on a TPU, XLA
+# and an older GPU, no such kernel: the weight dequantized and multiplied
+# (`F.linear(x, dequantize(...))`). Last, the fused linear whose one matmul serves q, k and v
+# (or gate and up): transformers' attention calls them in turn on the same hidden states.
 
 # %%
 # @save helpers.roofline
@@ -239,51 +237,87 @@ helpers.show(
 )
 
 # %% [markdown]
-# The int4 product itself, in both forms, written here (kept, the same, in `helpers.int4`, where
-# `QLinear` calls it; a test checks the two are the same). Notebook 05 wrote the unpacking and
-# the products it uses.
+# The int4 product itself, written here (kept, the same, in `helpers.int4`, where `QLinear` calls
+# it; a test checks the two are the same). Notebook 05 wrote the unpacking. Why the kernel is the
+# library's: a loop written by hand in Python ops cannot read 4 bits at the bandwidth (at E2B's
+# size on a CPU, the hand-written form of an earlier version of this notebook read 2% to 7% of
+# it: `benchmarks/full_size-cpu-2026-12-05-int4-planes.txt`).
+# The checkpoint's codes and scales are repacked once, at load, into the kernel's layout: no
+# value is rounded again.
 
 # %%
 # @save helpers.int4
 import torch
 
-from helpers.int4 import code_planes, dequantize, grid_values, unpack_rows  # notebook 05's
+from helpers.int4 import dequantize, exact_scales, unpack_rows  # notebook 05's
+from helpers.packed import GROUP_SIZE
 
 
-def packed_linear(
-    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, by_planes: bool = False
-) -> torch.Tensor:
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(x, weight)`` for the weight that int32 words [out, in / 8] and scales [out, in / 32] hold, exactly the
-    grid's. For a TPU: dequantized, then a matmul XLA may fuse. ``by_planes`` (a CPU's form): a decode row times the
-    weight plane by plane, each word read once, shifted by a constant per plane; a CPU compiler leaves the unpacked
-    form a scalar loop (``benchmarks/int4_cpu.py``: five times slower)."""
-    if not by_planes or x.shape[:-1].numel() != 1:
-        return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
-    out, words = packed.shape
-    groups, per_group = scales.shape[-1], words // scales.shape[-1]  # 4 words per group of 32
-    planes = code_planes(packed).view(out, 8, groups, per_group)  # [out, plane, group, word]
-    weight = grid_values(planes, scales.view(out, 1, groups, 1), dtype)
-    inputs = x.reshape(groups, per_group, 8).permute(2, 0, 1)  # [plane, group, word], as the weight's
-    return (weight.float() * inputs.float()).sum((-3, -2, -1)).to(x.dtype).view(*x.shape[:-1], out)
+    grid's: dequantized, then a matmul (the form for a backend with no int4 kernel)."""
+    return torch.nn.functional.linear(x, dequantize(unpack_rows(packed), scales, dtype))
+
+
+def int4pack(codes: torch.Tensor, scales: torch.Tensor, kernel: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes -8..7 [out, in] and scales [out, in / 32] in the layout of torch's int4 kernel (``kernel``: "cpu" or
+    "cuda"), on their device: unsigned codes (code + 8) packed by torch itself, and [in / 32, out, 2] scales with zero
+    points of 0, so each weight is (code + 8 - 8) x scale; bf16 scales where each is a bf16 number, else float32 (the CPU
+    kernel then multiplies in float32). No value is rounded again."""
+    scales = exact_scales(scales)
+    unsigned = codes.to(torch.int32) + 8
+    if kernel == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1)
+    else:  # two codes a byte, the first in the high nibble; tiles of 16 x inner_k_tiles along the input
+        tiles = next(t for t in (8, 4, 2) if codes.shape[1] % (16 * t) == 0)
+        pairs = (unsigned[:, ::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
+    scales_and_zeros = torch.stack([scales.t(), torch.zeros_like(scales.t())], dim=-1).contiguous()
+    return packed, scales_and_zeros
+
+
+def int4pack_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel: str) -> torch.Tensor:
+    """``F.linear`` through torch's int4 kernel: it reads 4 bits a weight and multiplies in one pass (a loop written by
+    hand reads them far below the bandwidth). Each product is code x scale before any rounding, so the result is
+    within the dtype's tolerance of the matmul on the checkpoint's (rounded) values, not equal to it. ``x`` goes in
+    the scales' dtype (float32 for scales finer than bf16) and comes out in its own."""
+    matmul = torch.ops.aten._weight_int4pack_mm_for_cpu if kernel == "cpu" else torch.ops.aten._weight_int4pack_mm
+    out = matmul(x.reshape(-1, x.shape[-1]).to(scales_and_zeros.dtype), packed, GROUP_SIZE, scales_and_zeros)
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def int4pack_values(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel: str) -> torch.Tensor:
+    """The weight [out, in] as the kernel dequantizes it, read back through an identity in the scales' dtype: one term
+    per output, code x scale exactly, so in bf16 the checkpoint's values; with scales of 1, the codes themselves."""
+    eye = torch.eye(scales_and_zeros.shape[0] * GROUP_SIZE, dtype=scales_and_zeros.dtype, device=packed.device)
+    return int4pack_linear(eye, packed, scales_and_zeros, kernel).t()
 
 
 # %% [markdown]
-# Both forms on one random packed weight (4 x this model's hidden width by its width, on the
-# host), beside the dense weight's matmul: the same products, summed in another order, so within
-# float32's tolerance, not equal bits (the largest difference printed).
+# Both forms on one random 4-bit weight in bf16 (4 x this model's hidden width by its width),
+# on the host where this backend has no kernel: repacked, the kernel's weight read back is the
+# dequantized weight bit for bit (`torch.equal`: exact data, one term per output); its product
+# is within bf16's tolerance of the dense matmul, not equal (it multiplies code x scale before
+# rounding, and sums in its own order; the largest difference printed).
 
 # %%
 hidden = series.model.config.get_text_config().hidden_size
 out_features, in_features = 4 * hidden, hidden
-words = torch.randint(
-    -(2**31), 2**31 - 1, (out_features, in_features // 8), dtype=torch.int32, generator=torch.Generator().manual_seed(0)
-)
-steps = torch.rand(out_features, in_features // 32, generator=torch.Generator().manual_seed(1)) / 64
-row = torch.randn(1, in_features, generator=torch.Generator().manual_seed(2))
-dense = torch.nn.functional.linear(row, dequantize(unpack_rows(words), steps, torch.float32))
-for form in (False, True):
-    product = packed_linear(row, words, steps, torch.float32, by_planes=form)
-    print(f"by_planes={form}: largest difference from the dense matmul {(product - dense).abs().max().item():.3g}")
+codes = torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+steps = (torch.rand(out_features, in_features // 32, generator=torch.Generator().manual_seed(1)) / 64).bfloat16()
+row = torch.randn(1, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
+weight = dequantize(codes, steps, torch.bfloat16)  # the checkpoint's values: bf16(code x scale)
+dense = torch.nn.functional.linear(row, weight)
+kernel = backend.int4_kernel or "cpu"  # a TPU has none: the host's shows it
+device = backend.device if backend.int4_kernel else "cpu"
+packed, scales_and_zeros = int4pack(codes.to(device), steps.to(device), kernel)
+assert torch.equal(int4pack_values(packed, scales_and_zeros, kernel).cpu(), weight)
+words = helpers.qlinear.pack_words(codes)
+for name, product in [
+    ("dequantized", packed_linear(row, words, steps, torch.bfloat16)),
+    (f"torch's {kernel} int4 kernel", int4pack_linear(row.to(device), packed, scales_and_zeros, kernel).cpu()),
+]:
+    print(f"{name}: largest difference from the dense matmul {(product - dense).abs().max().item():.3g}")
     torch.testing.assert_close(product, dense)
 
 # %% [markdown]
@@ -291,8 +325,13 @@ for form in (False, True):
 # (the prefill bucket and the step), the seconds of the first call (its compilation) and the
 # peak device memory where the backend counts it; decode tok/s (median of 3) beside the bytes
 # one step reads, from the tensors, GB/s and % of the read bandwidth above. The linears come
-# from the checkpoint's own packed codes and scales, never re-quantized, so they are exact;
-# the fused weights are the same rows concatenated. On a CPU the matvec loops come in at
+# from the checkpoint's own packed codes and scales, never re-quantized; the fused weights are
+# the same rows concatenated. Dequantized in the step they are exactly the checkpoint's values,
+# so notebook 03's tokens are asserted. Through torch's kernel (the `kernel` column) each weight
+# is code x scale unrounded, where the checkpoint's bf16 values round it: within half a bf16
+# [ulp](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ulp), the rounding a bf16 model makes everywhere, but a different sum, so its verdict is
+# printed, not asserted (at E2B's size on a CPU: `benchmarks/full_size-cpu-2026-12-07-*.txt`).
+# On a CPU the matvec loops come in at
 # K = 1 and stay for every variant after them. The compressed variants run at K = 1, each read
 # beside a K = 1 row: unrolled K times, a step that dequantizes every weight takes minutes to
 # compile on a CPU (a TPU reader can combine the best K with the best format). Timed one
@@ -323,20 +362,26 @@ if loops is not None:
 
 # %% [markdown]
 # The linears as the checkpoint's int4 codes, one a byte (`QLinear`'s "int4-bytes"): the same
-# weights, dequantized inside the step. Each swap frees the reference model first (rebuilt for
-# the verdict): at E2B it is 9 GB beside the swap's reads and the compile.
+# weights, dequantized inside the step. torch's int8 weight kernel (`_weight_int8pack_mm`) would
+# read them in one pass, but it takes one scale a row, and the checkpoint's scales change every
+# group of 32: it is used only where a row's scales are all one (the report says how many). Each
+# swap frees the reference model first (rebuilt for the verdict): at E2B it is 9 GB beside the
+# swap's reads and the compile.
 
 # %%
 series.drop_reference_model()
-helpers.qlinear.keep_linears_compressed(model, checkpoint.path, "int4-bytes")
+print(helpers.qlinear.keep_linears_compressed(model, checkpoint.path, "int4-bytes", backend.int4_kernel))
 rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 codes a byte each, {tail}", 1, loops))
 
 # %% [markdown]
-# The linears as packed int4, eight codes a word, in the backend's form (`int4_by_planes`).
+# The linears as packed int4, in the backend's form (`int4_kernel`): repacked for torch's
+# kernel where the kernel holds the checkpoint's values exactly (a bf16 model: in float32, as the
+# twin runs, the kernel's unrounded code x scale would not be the checkpoint's bf16 values, so
+# there they are dequantized; the report says why).
 
 # %%
 series.drop_reference_model()
-helpers.qlinear.keep_linears_compressed(model, checkpoint.path, "int4", backend.int4_by_planes)
+print(helpers.qlinear.keep_linears_compressed(model, checkpoint.path, "int4", backend.int4_kernel))
 rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 linears, {tail}", 1, loops))
 
 # %% [markdown]
@@ -344,7 +389,7 @@ rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 linears
 
 # %%
 series.drop_reference_model()
-helpers.qtable.keep_embed_in_4bit(model)
+print(helpers.qtable.keep_embed_in_4bit(model, backend.int4_kernel))
 rows.append(helpers.course.steps.measure_variant(backend, series, f"int4 linears + 4-bit head, {tail}", 1, loops))
 
 # %% [markdown]
@@ -357,7 +402,7 @@ label = f"int4 linears + 4-bit head + fused q/k/v, gate/up, {tail}"
 rows.append(helpers.course.steps.measure_variant(backend, series, label, 1, loops))
 after = helpers.fused.linear_calls(model, token)
 print(
-    f"F.linear calls a token: {matmuls} before the variants, {after} after them (a CPU's int4 product by planes calls none)"
+    f"F.linear calls a token: {matmuls} before the variants, {after} after them (torch's int4 kernel is no F.linear call)"
 )
 
 # %% [markdown]
@@ -366,6 +411,7 @@ print(
 # %%
 shown = [
     "variant",
+    "kernel",
     "same_tokens",
     "compiles",
     "first_call_s",
@@ -379,7 +425,12 @@ shown = [
 ]
 audited = [c for c in ("s64_ops", "cache_in_place", "largest_intermediate", "program_bytes") if c in rows[0]]
 print(table(rows, shown + audited))  # the audit columns: xla started with HELPERS_XLA_AUDIT=1 (notebook 04)
-assert all(r["same_tokens"] and r["compiles"] == 2 for r in rows), "every variant: notebook 03's tokens, one compile"
+assert all(r["compiles"] == 2 for r in rows), "every variant: one compile per shape"
+# the checkpoint's arithmetic, in another order: notebook 03's tokens by the verdict
+assert all(r["same_tokens"] for r in rows if not r["kernel"]), "every exact variant: notebook 03's tokens"
+for r in rows:  # torch's kernels round no product to bf16 as the checkpoint's values are: their verdict, shown
+    if r["kernel"]:
+        print(f"{r['variant']}, through torch's {r['kernel']} kernel: {r['verdict']}")
 fig = helpers.course.charts.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
 
 # %% [markdown]
@@ -411,9 +462,11 @@ fig = helpers.course.charts.variant_chart(rows, f"notebook 07, {series.checkpoin
 # saves the per-call overhead (dynamo's [guards](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#guard), the launch), and the matvec loops row is ahead
 # of the K = 1 row above it: the same bytes, read faster (`benchmarks/decode.py` measures it on
 # a model large enough for the bytes to dominate, which the tiny twin is not). The compressed
-# linears read fewer bytes, dequantized inside those same kernels, but on a CPU of a few cores
-# turning codes into floats is work the cores pay for, int4's unpack most: their % of the
-# bandwidth falls even where their tok/s rises. Fusing reads the same bytes in fewer, larger
+# linears read fewer bytes. Where torch's int4 kernel takes them (a bf16 model on a CPU or a
+# recent GPU) it reads the 4 bits in one pass: at E2B's size on a CPU the int4 row is the
+# fastest (`benchmarks/full_size.py`, its output in `benchmarks/`). Dequantized inside the step
+# instead (the float32 twin here, or a backend with no kernel), turning codes into floats is work
+# the cores pay for: their % of the bandwidth falls. Fusing reads the same bytes in fewer, larger
 # matmuls: it saves launches and reads each input once, but whether that pays depends on the
 # backend's matmuls; read its row against the one before it, measured above in this run. The
 # twin's 4-bit head adds bytes where E2B's saves them: a 4-bit row is padded to 128 words for a

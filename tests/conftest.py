@@ -22,6 +22,17 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(alone)
 
 
+def within_bf16_rounding(got, x, weight) -> None:
+    """A kernel's product against ``F.linear`` on the checkpoint's bf16 ``weight``: the kernel multiplies code x scale
+    unrounded where the weight rounds each to bf16 (half an ulp, 2**-9 of each term), and each output is rounded once
+    more. The bound, from the terms' magnitudes, not a tolerance picked to pass."""
+    import torch
+
+    got, dense = got.float(), torch.nn.functional.linear(x.to(weight.dtype), weight).float()
+    bound = 2**-9 * (x.abs().float() @ weight.abs().float().T) + 2**-8 * got.abs().maximum(dense.abs())
+    assert ((got - dense).abs() <= bound).all(), (got - dense).abs().max()
+
+
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(not HAS_XLA, reason="torch_xla not installed (the .ci/run xla job has it)")
 

@@ -153,9 +153,9 @@ def test_notebook_07s_rows_carry_the_audit_of_what_xla_compiled(xla_series):
     series = helpers.course.series.prepare(backend, after=5)  # its own model: the variants change it in place
     (row,) = helpers.course.steps.measure_variants_in_place(backend, series, ks=(), variants=("4-bit head",))
     assert row["same_tokens"] and row["cache_in_place"] and row["cache_bytes_copied"] == 0
-    # its int4 linears in the TPU form, the dequantized weight's matmul, not the CPU's planes
+    # its int4 linears in the TPU form, the dequantized weight's matmul: XLA has no int4 kernel of torch's
     swapped = [m for m in series.model.modules() if isinstance(m, qlinear.QLinear)]
-    assert swapped and not any(m.by_planes for m in swapped) and {m.fmt for m in swapped} == {"int4"}
+    assert swapped and not any(m.kernel for m in swapped) and {m.fmt for m in swapped} == {"int4"}
     config = series.model.config.get_text_config()
     whole_table = config.vocab_size * config.hidden_size * 4  # float32, the twin
     print(

@@ -7,6 +7,7 @@ tolerance or by the series' token verdict instead."""
 
 import pytest
 import torch
+from conftest import within_bf16_rounding
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -235,37 +236,58 @@ def test_the_unpack_stays_in_32_bit_integers_and_never_shifts_a_negative_word():
     assert torch.equal(unpacked, codes.int()) and shifted and not any(shifted)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_decode_rows_product_by_plane_equals_the_matmul_of_the_unpacked_weight(dtype):
-    """One row of x multiplies the packed words plane by plane (``packed_linear``): the products
-    of the checkpoint's own weights, only summed in another order. Bf16 scales (a linear's) and
-    float32 steps (a table's), eager and compiled into the CPU's matvec loops, against the
-    matmul of the weight unpacked into its columns, whose every code sits elsewhere in a word."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+KERNELS = ["cpu"] + (["cuda"] if torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0) else [])
 
+
+@pytest.mark.parametrize("scale_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_each_int4_form_holds_the_checkpoints_values_exactly_and_multiplies_within_tolerance(kernel, scale_dtype):
+    """Repacked for torch's int4 kernel, the codes read back through an identity are the checkpoint's values bit for
+    bit (exact data: one term per output), and with scales of 1 its codes; the kernel's product, eager and compiled
+    into the CPU's matvec loops, for one row and three, is within bf16's tolerance of ``F.linear`` on the dequantized
+    weight; the form with no kernel (``packed_linear``) is that very ``F.linear``."""
     import helpers
 
-    backend = helpers.get_backend("cpu")
+    backend = helpers.get_backend(kernel)
     generator = torch.Generator().manual_seed(3)
     codes = torch.randint(-8, 8, (48, 256), dtype=torch.int8, generator=generator)
-    packed = pack_to_int32(codes, 4)
-    assert (packed < 0).any()  # words with the sign bit set: the last plane's top bit
-    x = torch.randn(1, 1, 256, generator=generator).to(dtype)
-    compiled = backend.compile(int4.packed_linear, **backend.use_matvec_loops())
-    for scale_dtype in (torch.bfloat16, torch.float32):
-        scales = (torch.rand(48, 256 // 32, generator=generator) / 7).to(scale_dtype)
-        weight = int4.dequantize(int4.unpack_rows(packed), scales, dtype)
-        expected = torch.nn.functional.linear(x.double(), weight.double()).to(dtype)
-        for fn in (int4.packed_linear, compiled):
-            for by_planes in (True, False):  # a CPU's form, and the TPU's (the dequantized weight's matmul)
-                got = fn(x, packed, scales, dtype, by_planes)
-                assert got.shape == (1, 1, 48) and got.dtype == dtype
-                torch.testing.assert_close(got, expected)  # a code read from the wrong nibble is ~0.1 off
-        many = torch.randn(3, 256, generator=generator).to(dtype)  # a prefill's rows: the matmul itself
-        # equal: for several rows packed_linear is this very F.linear, of the same values
-        assert torch.equal(
-            int4.packed_linear(many, packed, scales, dtype, True), torch.nn.functional.linear(many, weight)
-        )
+    if kernel == "cuda" and scale_dtype == torch.float32:
+        pytest.skip("the CUDA kernel takes bf16 scales only (kernel_refusal)")
+    # bf16 scales (a linear's: code x scale needs rounding) or float32 steps (a table's, finer than bf16)
+    scales = (torch.rand(48, 256 // 32, generator=generator) / 7).to(scale_dtype)
+    weight = int4.dequantize(codes, scales, torch.bfloat16)
+    packed, scales_and_zeros = int4.int4pack(codes.to(backend.device), scales.to(backend.device), kernel)
+    assert torch.equal(int4.int4pack_values(packed, scales_and_zeros, kernel).bfloat16().cpu(), weight)
+    units = torch.stack([torch.ones_like(scales_and_zeros[..., 0]), scales_and_zeros[..., 1]], -1)
+    assert torch.equal(int4.int4pack_values(packed, units, kernel).cpu(), codes.to(scales_and_zeros.dtype))
+    compiled = backend.compile(int4.int4pack_linear, **(backend.use_matvec_loops() or {}))
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 256, generator=generator).bfloat16()
+        expected = torch.nn.functional.linear(x, weight)
+        for fn in (int4.int4pack_linear, compiled):
+            got = fn(x.to(backend.device), packed, scales_and_zeros, kernel).cpu()
+            assert got.shape == (1, rows, 48) and got.dtype == torch.bfloat16
+            within_bf16_rounding(got, x, weight)  # a code read from the wrong nibble is ~0.1 off
+        words = helpers.qlinear.pack_words(codes)
+        assert torch.equal(int4.packed_linear(x, words, scales, torch.bfloat16), expected)
+
+
+def test_the_kernel_is_refused_where_it_would_not_hold_the_checkpoints_values():
+    codes = torch.zeros(48, 256, dtype=torch.int8)
+    scales = torch.full((48, 8), 0.01).bfloat16()
+    assert int4.kernel_refusal(codes, scales, torch.bfloat16, "int4", "cpu") is None
+    assert "float32" in int4.kernel_refusal(codes, scales, torch.float32, "int4", "cpu")
+    finer = scales.float() * 1.001  # steps finer than bf16 (Google's tables): the CPU's kernel takes them in float32
+    assert int4.kernel_refusal(codes, finer, torch.bfloat16, "int4", "cpu") is None
+    assert "finer than bf16" in int4.kernel_refusal(codes, finer, torch.bfloat16, "int4", "cuda")
+    assert "finer than bf16" in int4.kernel_refusal(
+        codes, finer[:, :1].expand(48, 8), torch.bfloat16, "int4-bytes", "cpu"
+    )
+    assert "rows in 16s" in int4.kernel_refusal(codes[:40], scales[:40], torch.bfloat16, "int4", "cpu")
+    assert "one scale a row" in int4.kernel_refusal(
+        codes, torch.rand(48, 8).bfloat16(), torch.bfloat16, "int4-bytes", "cpu"
+    )
+    assert int4.kernel_refusal(codes, scales, torch.bfloat16, "int4-bytes", "cpu") is None
 
 
 def test_each_row_is_its_codes_then_its_float32_steps_padded_to_128_words_for_a_tpus_gather():

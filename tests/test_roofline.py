@@ -10,10 +10,11 @@ import copy
 
 import pytest
 import torch
+from conftest import within_bf16_rounding
 
 import helpers
 from helpers import decode as d
-from helpers import fused, packed, qlinear, roofline
+from helpers import fused, int4, packed, qlinear, qtable, roofline
 from helpers.course import (
     audits,
     e2b,
@@ -102,7 +103,7 @@ def test_matvec_loops_round_a_dequantized_weight_to_bf16_as_eager_code_does():
     torch.manual_seed(0)
     codes = torch.randint(-8, 8, (256, 512), dtype=torch.int8)
     scales = torch.rand(256, 512 // 32).bfloat16()  # like the checkpoint's: codes x scales needs rounding
-    linear = qlinear.QLinear(codes, scales, torch.float32, "int4-bytes")
+    linear = qlinear.QLinear.of(codes, scales, torch.float32, "int4-bytes")
     x = torch.randn(1, 1, 512)
     compiled = backend.compile(linear, **backend.use_matvec_loops())(x)
     torch.testing.assert_close(compiled, linear(x), rtol=1e-5, atol=1e-4)  # unrounded: ~0.3 off
@@ -146,6 +147,79 @@ def test_fused_projections_are_fewer_matmuls_of_the_same_weights_and_give_the_sa
         fused.fuse_projections(model)
     with pytest.raises(ValueError, match="compressed first, then fuse"):
         qlinear.keep_linears_compressed(model, series.checkpoint.path, "int4-bytes")
+
+
+def _bf16_twin(series):
+    """The twin's checkpoint loaded in bf16, as E2B runs (dense at load, compressed-tensors' wrappers stripped)."""
+    model, _ = helpers.checkpoint.load(series.checkpoint.path, helpers.get_backend("cpu"), torch.bfloat16, True)
+    d.strip_compressed_wrappers(model)
+    return model
+
+
+def test_in_bf16_every_linear_goes_through_torchs_int4_kernel_exactly_fused_too(series):
+    """The twin in bf16 (as E2B runs): every linear repacked for torch's CPU int4 kernel, its weight read back through
+    the kernel the checkpoint's values exactly; fused, the same rows; the logits within bf16's tolerance of the same
+    model dequantizing in the step. Its int8 kernel is refused (the checkpoint's scales change every group)."""
+    dequantized = _bf16_twin(series)
+    dense = {
+        n: m.weight.detach().clone() for n, m in dequantized.model.named_modules() if isinstance(m, torch.nn.Linear)
+    }
+    model = copy.deepcopy(dequantized)
+    qlinear.keep_linears_compressed(dequantized, series.checkpoint.path, "int4")
+    report = qlinear.keep_linears_compressed(model, series.checkpoint.path, "int4", "cpu")
+    assert report["through torch's kernel"] == f"{len(dense)} of {len(dense)}"
+    for name, module in model.model.named_modules():
+        if name in dense:
+            assert module.kernel == "cpu" and torch.equal(module.weight, dense[name]), name
+            codes, scales = module.unpacked()
+            assert torch.equal(int4.dequantize(codes, scales, torch.bfloat16), dense[name])
+    attn = model.model.layers[0].self_attn
+    q, k, v = (dense[f"layers.0.self_attn.{p}_proj"] for p in "qkv")
+    fused.fuse_projections(model)
+    assert attn.qkv.linear.kernel == "cpu" and torch.equal(attn.qkv.linear.weight, torch.cat([q, k, v]))
+    with torch.no_grad():
+        got, expected = (m(series.ids).logits.float() for m in (model, dequantized))
+    torch.testing.assert_close(got, expected, rtol=0.05, atol=0.05)  # bf16 sums in two orders, over 10 layers
+    as_bytes = _bf16_twin(series)
+    bytes_report = qlinear.keep_linears_compressed(as_bytes, series.checkpoint.path, "int4-bytes", "cpu")
+    int8 = [(n, m) for n, m in as_bytes.model.named_modules() if getattr(m, "kernel", None)]
+    assert bytes_report["through torch's kernel"] == f"{len(int8)} of {len(dense)} (per-group scales differ within " + (
+        "a row: torch's int8 kernel takes one scale a row)"
+    )
+    assert len(int8) < len(dense) and all(torch.equal(m.weight, dense[n]) for n, m in int8)
+
+
+def test_in_float32_the_kernel_is_refused_and_says_why(series):
+    model = copy.deepcopy(series.model)
+    report = qlinear.keep_linears_compressed(model, series.checkpoint.path, "int4", "cpu")
+    assert report["through torch's kernel"].startswith("0 of ") and "torch.float32" in report["through torch's kernel"]
+    assert not any(getattr(m, "kernel", None) for m in model.modules())
+
+
+def test_the_int8_kernel_takes_codes_a_byte_each_where_a_row_has_one_scale():
+    codes = torch.randint(-8, 8, (32, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    scales = (torch.rand(32, 1, generator=torch.Generator().manual_seed(1)) / 7).bfloat16().expand(32, 2)
+    linear = qlinear.QLinear.of(codes, scales, torch.bfloat16, "int4-bytes", "cpu")
+    assert linear.kernel == "cpu" and linear.scales.shape == (32,)
+    assert torch.equal(linear.weight, int4.dequantize(codes, scales, torch.bfloat16))
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    within_bf16_rounding(linear(x), x, linear.weight)
+
+
+def test_a_4bit_head_through_the_kernel_reads_its_own_copy_and_the_main_table_one_row(series):
+    model = _bf16_twin(series)
+    qtable.keep_embed_in_4bit(model)
+    hidden = torch.randn(1, 2, model.config.get_text_config().hidden_size).bfloat16()
+    before = roofline.step_bytes(model)
+    table = model.model.embed_tokens
+    report_head = qtable.QHead(table, "cpu")
+    assert report_head.kernel == "cpu"  # its steps finer than bf16 or not: the CPU kernel takes float32 ones
+    model.lm_head = report_head
+    within_bf16_rounding(model.lm_head(hidden), hidden, table.dequantized())
+    row = table.table[0].numel() * table.table.element_size()
+    copy_bytes = sum(t.numel() * t.element_size() for t in (report_head.codes, report_head.scales))
+    held = sum(t.numel() * t.element_size() for t in helpers.checkpoint.unique_tensors(table).values())
+    assert roofline.step_bytes(model) == before - held + row + copy_bytes  # a gathered table: its row, as the per-layer
 
 
 def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():

@@ -170,10 +170,12 @@ def measure_variant(
             first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
     timed = timed_generate(decoder, series.ids, series.timed_tokens, readback_every=max(16, k))
     memory, verdict = backend.memory(), series.same_tokens(first.last)
+    kernels = sorted({m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), str)})
     return {
         "variant": variant,
         **measured_on(series.checkpoint),
         "K": k,
+        "kernel": ", ".join(kernels) or None,  # torch's weight kernels in the step: code x scale unrounded
         "same_tokens": bool(verdict),
         "verdict": str(verdict),
         "compiles": count.graphs,
@@ -206,13 +208,13 @@ def measure_variants_in_place(
     changes = {
         "int4 bytes": (
             "int4 codes a byte each",
-            lambda: keep_linears_compressed(model, series.checkpoint.path, "int4-bytes"),
+            lambda: keep_linears_compressed(model, series.checkpoint.path, "int4-bytes", backend.int4_kernel),
         ),
         "int4 linears": (
             "int4 linears",
-            lambda: keep_linears_compressed(model, series.checkpoint.path, "int4", backend.int4_by_planes),
+            lambda: keep_linears_compressed(model, series.checkpoint.path, "int4", backend.int4_kernel),
         ),
-        "4-bit head": ("int4 linears + 4-bit head", lambda: keep_embed_in_4bit(model)),
+        "4-bit head": ("int4 linears + 4-bit head", lambda: keep_embed_in_4bit(model, backend.int4_kernel)),
         "fused": ("int4 linears + 4-bit head + fused q/k/v, gate/up", lambda: fuse_projections(model)),
     }
     last = max((VARIANTS.index(v) for v in variants), default=0)
@@ -238,6 +240,7 @@ def record_variants(results: Results, backend: Backend, rows: list[dict]) -> lis
         "bytes_per_token",
         "GB_per_s",
         "pct_of_bw",
+        "peak_bytes",
         "model",
         "real_model",
     )
@@ -261,5 +264,6 @@ def record_draft(results: Results, series: Series, decoder, tokens: list[int], c
         same_tokens=bool(series.same_tokens(tokens)),
         compiles=compiled.graphs,
         first_call_s=compiled.seconds,
+        peak_bytes=(decoder.backend.memory() or {}).get("peak"),  # None where the backend counts none (cpu)
         **timed_columns(decoder.backend, runs, round(read)),
     )
