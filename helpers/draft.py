@@ -8,15 +8,17 @@ import torch
 
 from .checkpoint import unique_tensors
 from .decode import Decoder, kv_buffers, set_length
-from .ring import EMPTY, RingDecoder, as_mask
+from .ring import EMPTY, RingDecoder, as_mask, group_query_heads
 from .sampling import Sampled, gumbel
 
 
 def load_assistant(folder, backend, dtype: torch.dtype = torch.bfloat16):
-    """The assistant in ``folder`` (transformers' ``Gemma4AssistantForCausalLM``) on the device."""
+    """The assistant in ``folder`` (transformers' ``Gemma4AssistantForCausalLM``) on the device, its attention grouped
+    as the target's (notebook 06): each draft reads the target's K/V once per K/V head, not copied per query head."""
     from transformers import Gemma4AssistantForCausalLM
 
     assistant = Gemma4AssistantForCausalLM.from_pretrained(folder, dtype=dtype)
+    group_query_heads(assistant)
     backend.place(assistant)
     return assistant.eval()
 
@@ -83,6 +85,8 @@ def draft_bytes(decoder) -> int:
 class Drafted:
     """Notebook 09's additions to a decoder (first among its bases): each call drafts ``draft_tokens`` (K) with
     ``assistant`` in one compiled program and verifies them in another, a forward of K+1 tokens."""
+
+    at = 0  # positions held, at most (a ring's buckets read it)
 
     def __init__(self, model, assistant, backend, max_len: int, draft_tokens: int = 4, **kwargs):
         if draft_tokens < 1:
@@ -184,12 +188,19 @@ class Drafted:
         super().check_room(length, new_tokens, start, self.draft_tokens)  # the last call writes K more positions
 
     def tokens_per_verify(self) -> float:
-        """The last run's tokens per call: the target's own and the drafts it kept, on average."""
-        return 1 + sum(self.kept) / len(self.kept)
+        """The last run's tokens per call: the target's own and the drafts it kept, on average (vLLM's "mean
+        acceptance length", which counts the target's own token too)."""
+        return 1 + sum(self.kept) / self.calls()
 
     def kept_at(self) -> list[float]:
         """Per draft position 1..K, the share of the last run's calls that kept it."""
-        return [sum(n >= j for n in self.kept) / len(self.kept) for j in range(1, self.draft_tokens + 1)]
+        return [sum(n >= j for n in self.kept) / self.calls() for j in range(1, self.draft_tokens + 1)]
+
+    def calls(self) -> int:
+        """The last run's calls: none when its one token came from the prefill, and then nothing to count per call."""
+        if not self.kept:
+            raise ValueError("the last run made no call (its one token came from the prefill): no verify to count")
+        return len(self.kept)
 
     @torch.no_grad()
     def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
@@ -209,6 +220,7 @@ class Drafted:
                 made = [t for b in blocks for t in b if t >= 0]
                 chunk, stopped = stops.cut(made[: new_tokens - len(tokens)])
                 tokens, pending, most = tokens + chunk, [], len(tokens) + len(chunk)
+                self.at = start + ids.shape[1] + len(tokens)  # positions held, known again (a ring's buckets)
                 if streamer is not None:
                     streamer.put(torch.tensor(chunk))
                 if most >= new_tokens or stopped:
@@ -256,7 +268,11 @@ class DraftRingDecoder(Drafted, RingDecoder):
 
     @torch.no_grad()
     def call(self, token, position):
-        return Drafted.call(self, token, position)  # one ring for the whole context: no bucket to fit
+        """``Drafted.call`` on the smallest bucket that holds what the call may write: K+1 positions. ``at`` counts
+        them all, so it may run ahead of the positions held until ``generate`` reads back and sets it."""
+        self.fit(min(self.at + self.draft_tokens + 1, self.max_len))
+        self.at += self.draft_tokens + 1
+        return Drafted.call(self, token, position)
 
 
 class Speculative(Sampled):

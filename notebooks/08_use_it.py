@@ -137,7 +137,10 @@ assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
 # %% [markdown]
 # The sampler, written here too (kept, the same, in `helpers.sampling`, which the decoders'
 # compiled steps call): transformers' own warpers, in `generate`'s order, then the argmax of the
-# scores plus the noise; greedy is the argmax alone.
+# scores plus the noise; greedy is the argmax alone. Top-k first takes its k candidates
+# (`topk`), and temperature and top-p run on those alone: top-p sorts its scores, and sorting
+# k of them costs nothing beside sorting E2B's 262,144 for every row, every draft and every
+# verify.
 
 # %%
 # @save helpers.sampling
@@ -155,11 +158,13 @@ from helpers.sampling import UNSUPPORTED  # what the compiled step refuses: min_
 class Sampler:
     """The next token from logits on the device: the argmax, or with ``config.do_sample`` its temperature, top-k and
     top-p applied as ``generate`` applies them and one Gumbel-max draw per row, its noise a function of ``seed`` and
-    the row's position."""
+    the row's position. With top-k, its k candidates are taken first and temperature and top-p run on them alone: a
+    sort of k scores, not of the whole vocabulary (262,144 at E2B), the same distribution but at an exact tie with
+    the k-th score (``generate`` keeps every tied token)."""
 
     def __init__(self, config: GenerationConfig | None = None):
         self.do_sample = bool(config is not None and config.do_sample)
-        self.warpers = LogitsProcessorList()
+        self.warpers, self.top_k = LogitsProcessorList(), None
         if not self.do_sample:
             return
         refused = [name for name in UNSUPPORTED if getattr(config, name, None) not in (None, 1.0)]
@@ -168,17 +173,22 @@ class Sampler:
         if config.temperature is not None and config.temperature != 1.0:
             self.warpers.append(TemperatureLogitsWarper(config.temperature))
         if config.top_k:
-            self.warpers.append(TopKLogitsWarper(top_k=config.top_k))
+            TopKLogitsWarper(top_k=config.top_k)  # transformers' own check of the value
+            self.top_k = config.top_k
         if config.top_p is not None and config.top_p < 1.0:
             self.warpers.append(TopPLogitsWarper(top_p=config.top_p))
 
     def __repr__(self) -> str:
         warpers = ", ".join(type(w).__name__ for w in self.warpers) or "none"
-        return f"Sampler(do_sample={self.do_sample}, warpers: {warpers})"
+        return f"Sampler(do_sample={self.do_sample}, top_k={self.top_k}, then warpers: {warpers})"
 
     def scores(self, logits: torch.Tensor) -> torch.Tensor:
         """The warped scores [N, vocab] in float32 (-inf where top-k or top-p removed a token)."""
-        return self.warpers(None, logits.float())
+        if self.top_k is None:
+            return self.warpers(None, logits.float())
+        candidates, ids = logits.float().topk(min(self.top_k, logits.shape[-1]))
+        warped = self.warpers(None, candidates)
+        return torch.full_like(logits, -torch.inf, dtype=torch.float32).scatter(-1, ids, warped)
 
     def __call__(self, logits: torch.Tensor, positions: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
         if not self.do_sample:

@@ -125,6 +125,52 @@ def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
         assert (not set(range(q - W + 1, q)) <= held) == loses
 
 
+@pytest.mark.parametrize("k", [2, 4])
+def test_a_drafting_ring_moves_up_its_buckets_as_the_context_grows(setup, k):
+    """Buckets of the full layers' buffer, the smallest first: a call may write K+1 positions, so it moves up before
+    them (past the first bucket a full layer would otherwise write over its own first slots: wrong tokens from
+    there, seen at bucket 16)."""
+    backend, model, assistant, _, ids = setup
+    prompt = ids[:, :10]  # in the first bucket
+    decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k, buckets=(W, 2 * W)))
+    tokens = decoder.generate(prompt, 48, stop_ids=())
+    result, _ = judged(tokens, setup, prompt, 48, stop=False)
+    assert result, result
+    assert decoder.cache.max_len == MAX_LEN and decoder.at == 10 + 48
+
+
+def test_tokens_per_verify_after_a_run_with_no_call_says_why(setup):
+    backend, model, assistant, _, ids = setup
+    decoder = eager(draft.DraftDecoder(model, assistant, backend, MAX_LEN, 2))
+    assert len(decoder.generate(ids, 1)) == 1  # the prefill's token: no call
+    for count in (decoder.tokens_per_verify, decoder.kept_at):
+        with pytest.raises(ValueError, match="made no call"):
+            count()
+
+
+def test_the_assistants_attention_is_grouped_and_gives_hfs_output(setup):
+    """Each draft reads the target's K/V once per K/V head (notebook 06's grouped attention), within float32's
+    tolerance of transformers' SDPA attention, which repeats them per query head."""
+    import copy
+
+    from helpers import ring
+
+    backend, model, assistant, _, ids = setup
+    assert assistant.config._attn_implementation == ring.GROUPED
+    hfs = copy.deepcopy(assistant)
+    hfs.set_attn_implementation("sdpa")
+    decoder = eager(draft.DraftDecoder(model, assistant, backend, MAX_LEN, 3))
+    token, position = decoder.prefill(ids)
+    embedding = model.get_input_embeddings()(token)
+    outputs = []
+    for helper in (assistant, hfs):
+        decoder.assistant = helper
+        shared_kv, masks = decoder.shared(position)
+        outputs.append(draft.assist(helper, embedding, decoder.hidden, position, shared_kv, masks))
+    for grouped, repeated in zip(*outputs):
+        torch.testing.assert_close(grouped, repeated)
+
+
 def test_hf_assisted_generate_gives_the_targets_tokens(setup):
     backend, model, assistant, _, ids = setup
     assistant.generation_config.num_assistant_tokens = 3
