@@ -136,9 +136,11 @@ class QHead(torch.nn.Module):
     def __init__(self, table: QTable, kernel: str | None = None):
         super().__init__()
         self.out_features = table.table.shape[0]  # as the linear it replaces says
-        codes, scales = unpack_rows(table.packed).to(torch.int8), table.scales
-        self.kernel = kernel and not kernel_refusal(codes, scales, table.dtype, "int4", kernel) and kernel
-        if self.kernel:
+        if kernel:  # the codes unpacked only where a kernel may take them (a TPU has none)
+            codes, scales = unpack_rows(table.packed).to(torch.int8), table.scales
+            kernel = None if kernel_refusal(codes, scales, table.dtype, "int4", kernel) else kernel
+        self.kernel = kernel
+        if kernel:
             packed, scales_and_zeros = int4pack(codes, scales, self.kernel)
             self.register_buffer("codes", packed)
             self.register_buffer("scales", scales_and_zeros)

@@ -297,8 +297,9 @@ def int4pack_values(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel
 # Both forms on one random 4-bit weight in bf16 (4 x this model's hidden width by its width),
 # on the host where this backend has no kernel: repacked, the kernel's weight read back is the
 # dequantized weight bit for bit (`torch.equal`: exact data, one term per output); its product
-# is within bf16's tolerance of the dense matmul, not equal (it multiplies code x scale before
-# rounding, and sums in its own order; the largest difference printed).
+# is within bf16's rounding of the dense matmul, not equal (it multiplies code x scale before
+# rounding, and sums in its own order): half an ulp of each term and one of the output, the
+# largest difference printed against that bound.
 
 # %%
 hidden = series.model.config.get_text_config().hidden_size
@@ -317,8 +318,13 @@ for name, product in [
     ("dequantized", packed_linear(row, words, steps, torch.bfloat16)),
     (f"torch's {kernel} int4 kernel", int4pack_linear(row.to(device), packed, scales_and_zeros, kernel).cpu()),
 ]:
-    print(f"{name}: largest difference from the dense matmul {(product - dense).abs().max().item():.3g}")
-    torch.testing.assert_close(product, dense)
+    # bf16's rounding: half an ulp of each term (the kernel's weights are unrounded), one of the output
+    bound = 2**-9 * (row.abs().float() @ weight.abs().float().T) + 2**-8 * product.abs().float().maximum(dense.abs())
+    gap = (product.float() - dense.float()).abs()
+    print(
+        f"{name}: largest difference from the dense matmul {gap.max().item():.3g}, at most {gap.div(bound).max():.2f} of the bound"
+    )
+    assert (gap <= bound).all()
 
 # %% [markdown]
 # **What we test:** each variant, compiled anew: the same tokens as notebook 03, two graphs

@@ -192,3 +192,19 @@ def test_no_module_notebook_benchmark_or_test_branches_on_the_backend_s_name():
         if branch.search(line)
     ]
     assert len(files) > 30 and not found, found
+
+
+def test_the_int4_kernel_is_torchs_where_it_has_one(monkeypatch):
+    """torch's CPU int4 kernel on a CPU, its CUDA one from sm80 (an A100, an L4) and none on a T4 (sm75), a TPU or
+    PyTorch/XLA: there the 4-bit linears are dequantized in the step."""
+    from helpers.backend import Backend
+
+    def kernel(name):
+        backend = object.__new__(Backend)
+        backend.name, backend.device = name, torch.device("cpu")
+        return backend.int4_kernel
+
+    assert [kernel(n) for n in ("tpu", "xla", "cpu")] == [None, None, "cpu"]
+    for capability, expected in (((7, 5), None), ((8, 0), "cuda"), ((8, 9), "cuda")):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert kernel("cuda") == expected, capability
