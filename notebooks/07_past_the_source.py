@@ -298,7 +298,8 @@ def int4pack_values(packed: torch.Tensor, scales_and_zeros: torch.Tensor, kernel
 # on the host where this backend has no kernel: repacked, the kernel's weight read back is the
 # dequantized weight bit for bit (`torch.equal`: exact data, one term per output); its product
 # is within bf16's rounding of the dense matmul, not equal (it multiplies code x scale before
-# rounding, and sums in its own order): half an ulp of each term and one of the output, the
+# rounding, and sums in its own order): half an
+# [ulp](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ulp) of each term and one of the output, the
 # largest difference printed against that bound.
 
 # %%
