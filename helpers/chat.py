@@ -12,13 +12,28 @@ _SENTINEL = "\x00reply\x00"  # stands for the last reply while the template rend
 
 
 class Chat:
-    """A conversation kept in a ``RingDecoder``'s cache between turns; turn i samples with ``seed + i``. ``tokens``: the
-    whole conversation; ``replies``: each reply's ids."""
+    """A conversation kept in a ``RingDecoder``'s cache between turns; turn i samples with ``seed + i``; each reply read
+    back every ``readback_every`` tokens (default: the decoder's, its most). ``tokens``: the whole conversation;
+    ``replies``: each reply's ids."""
 
-    def __init__(self, decoder: RingDecoder, tokenizer, max_new_tokens: int = 64, seed: int = 0, **generate_kwargs):
+    def __init__(
+        self,
+        decoder: RingDecoder,
+        tokenizer,
+        max_new_tokens: int = 64,
+        seed: int = 0,
+        readback_every: int | None = None,
+        **generate_kwargs,
+    ):
         if not isinstance(decoder, RingDecoder):
             raise TypeError(
                 f"a chat keeps its cache between turns: it needs a RingDecoder, not {type(decoder).__name__}"
+            )
+        self.readback_every = readback_every or decoder.readback_every
+        if self.readback_every > decoder.readback_every:
+            raise ValueError(
+                f"readback_every={self.readback_every}: the decoder's ring keeps spare slots for "
+                f"{decoder.readback_every} tokens past a reply's stop (make it with readback_every={self.readback_every})"
             )
         self.decoder, self.tokenizer, self.max_new_tokens = decoder, tokenizer, max_new_tokens
         self.seed, self.generate_kwargs = seed, generate_kwargs
@@ -45,7 +60,8 @@ class Chat:
         return self.tokenizer(closing + after[len(before) :], add_special_tokens=False).input_ids
 
     def say(self, text: str, streamer=None) -> str:
-        """The reply to ``text``, read back every token, so the cache never holds tokens past the reply's end."""
+        """The reply to ``text``, read back in the decoder's blocks: the ring's spare slots keep what a block makes past
+        the reply's stop from taking positions the next turn sees, and the next turn writes over them."""
         turn = self.turn_ids(text)
         held = max(len(self.tokens) - 1, 0)  # the last reply's last token is not in the cache yet
         new = self.tokens[held:] + turn
@@ -60,7 +76,7 @@ class Chat:
         reply = self.decoder.generate(
             ids,
             self.max_new_tokens,
-            readback_every=1,
+            readback_every=self.readback_every,
             start=held,
             streamer=streamer,
             **({"seed": self.seed + len(self.replies)} if hasattr(self.decoder, "sampler") else {}),  # Sampled

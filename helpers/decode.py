@@ -10,6 +10,7 @@ from .checkpoint import compression_report
 from .generate import Stops
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+READBACK_EVERY = 16  # tokens made between reads to the host: one round trip per block, not per token
 
 
 def cache_length(positions: int) -> int:
@@ -99,6 +100,32 @@ def cache_read_bytes(model, cache) -> int:
     return total
 
 
+def skip_shared_layers(model) -> None:
+    """Run the layers that keep no K/V of their own, and the head, on the prompt rows ``logits_to_keep`` names when it is
+    a tensor, as transformers does for the last rows when it is an int (``_maybe_slice_kv_shared_inputs``, its cut,
+    taken at our rows): a padded prompt's last real row is not its last. Their K/V come from earlier layers, so no
+    other row needs them. Idempotent."""
+    text = model.model
+    own = type(text)._maybe_slice_kv_shared_inputs
+    first_shared = len(text.layers) - text.config.num_kv_shared_layers
+
+    def cut(hidden, per_layer, rotary, masks, logits_to_keep, cache=None, **kwargs):
+        if not torch.is_tensor(logits_to_keep) or cache is None:
+            return own(text, hidden, per_layer, rotary, masks, logits_to_keep, cache=cache, **kwargs)
+        rows = logits_to_keep.view(-1)
+        # a mask of None is SDPA's causal flag, which counts rows from the first: for our rows, keys up to the row
+        keys = {kind: cache.layers[i].keys.shape[2] for i, kind in enumerate(text.config.layer_types[:first_shared])}
+        causal = {kind: torch.arange(n, device=rows.device) <= rows[:, None] for kind, n in keys.items()}
+        return (
+            hidden.index_select(1, rows),
+            None if per_layer is None else per_layer.index_select(1, rows),
+            {kind: (cos.index_select(1, rows), sin.index_select(1, rows)) for kind, (cos, sin) in rotary.items()},
+            {kind: causal[kind][None, None] if m is None else m.index_select(2, rows) for kind, m in masks.items()},
+        )
+
+    text._maybe_slice_kv_shared_inputs = cut
+
+
 def greedy_step(model, cache: Cache, token, position):
     """One decode step: the last token in, the next greedy token and its position out."""
     logits = model(input_ids=token, position_ids=position, cache=cache, use_cache=True).logits
@@ -111,6 +138,7 @@ class Decoder:
 
     def __init__(self, model, backend: Backend, max_len: int, **compile_options):
         self.model, self.backend, self.max_len = model, backend, max_len
+        skip_shared_layers(model)  # a prefill's rows past the last real one stop at the last layer that keeps K/V
         self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
         self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
@@ -130,7 +158,7 @@ class Decoder:
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        # the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
+        # layers 15-34 and the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
         logits = self.model(
             input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
         ).logits
@@ -178,7 +206,9 @@ class Decoder:
         return Stops(self.model, history, stop_ids)
 
     @torch.no_grad()
-    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
+    def generate(
+        self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
+    ):
         """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
         every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
         self.check_room(ids.shape[1], new_tokens, start)

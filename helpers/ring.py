@@ -8,7 +8,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from .decode import Decoder, allocated_layers, kv_buffers
+from .decode import READBACK_EVERY, Decoder, allocated_layers, kv_buffers
 
 EMPTY = -1  # the position of a slot never written
 GROUPED = "grouped_sdpa"  # the attention implementation ``group_query_heads`` sets
@@ -169,9 +169,21 @@ class RingCache(Cache):
 class RingDecoder(Decoder):
     """Notebook 04's decoder on a ring: one compiled step for every position, one compiled prefill chunk for prompts of
     any length. ``buckets``: shorter full-layer lengths, each with its own compiled step, a step reading the smallest
-    that holds the context. ``at``: positions held."""
+    that holds the context. ``at``: positions held. ``readback_every``: the most tokens a run makes between reads to
+    the host; the ring keeps that many spare slots for what a block makes past a stop, so a run can go on from it."""
 
-    def __init__(self, model, backend, max_len: int, chunk_size: int | None = None, buckets=(), **compile_options):
+    draft_tokens = 0  # positions a call writes past the one it keeps (notebook 09's drafts)
+
+    def __init__(
+        self,
+        model,
+        backend,
+        max_len: int,
+        chunk_size: int | None = None,
+        buckets=(),
+        readback_every: int = READBACK_EVERY,
+        **compile_options,
+    ):
         self.chunk_size = chunk_size or model.config.get_text_config().sliding_window
         self.buckets = sorted({*buckets, max_len})
         if self.buckets[0] < self.chunk_size:
@@ -183,9 +195,9 @@ class RingDecoder(Decoder):
         if self.buckets[-1] != max_len:
             raise ValueError(f"buckets {sorted(buckets)} must be at most max_len {max_len}")
         self.at = 0
+        self.readback_every = readback_every
+        self.spare = readback_every + self.draft_tokens  # ring slots past the window
         super().__init__(model, backend, max_len, **compile_options)
-
-    spare = 0  # ring slots past the window (notebook 09's drafts)
 
     def new_cache(self, model, max_len: int) -> RingCache:
         return RingCache(model, self.buckets[0], self.chunk_size, self.spare)  # the smallest bucket first
@@ -211,15 +223,16 @@ class RingDecoder(Decoder):
         self.at += 1
         return super().call(token, position)
 
-    def forward_chunk(self, tokens, positions, valid, model=None):
+    def forward_chunk(self, tokens, positions, valid, model=None, rows=0):
         """The output of ``model`` (the decoder's, or its text model) for ``tokens`` [1, C] at ``positions`` [1, C]
-        (``valid`` [C]: not padding)."""
+        (``valid`` [C]: not padding), at ``rows`` (a tensor: layers past the last that keeps K/V run on those alone)."""
         out = (model or self.model)(
             input_ids=tokens,
             position_ids=positions,
             attention_mask=self.cache.masks(positions[0]),
             cache=self.cache,
             use_cache=True,
+            logits_to_keep=rows,
             ring_positions=positions[0],
             ring_valid=valid,
         )
@@ -233,7 +246,7 @@ class RingDecoder(Decoder):
 
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
-        logits = self.forward_chunk(tokens, positions, valid).logits[0].index_select(0, last)
+        logits = self.forward_chunk(tokens, positions, valid, rows=last).logits[0]  # the last real row's alone
         return self.pick(logits, positions[0].index_select(0, last) + 1)
 
     def chunks(self, length: int, device, offset: int = 0):
@@ -243,6 +256,22 @@ class RingDecoder(Decoder):
             positions = torch.arange(start, start + self.chunk_size)
             yield start, (positions + offset)[None].to(device), (positions < length).to(device)
 
+    def rewind(self, length) -> None:
+        """Forget positions from ``length`` on (a block's tokens past a stop, a verify's rejected drafts)."""
+        self.cache.slot_positions.masked_fill_(self.cache.slot_positions >= length, EMPTY)
+
+    def go_on_from(self, start: int) -> None:
+        """Forget what the last run wrote from ``start`` on, or refuse where its slots have taken positions a query at
+        ``start`` still sees: a write at position p takes the slot of p - window - spare."""
+        past = self.cache.get_seq_length() - start  # the last run's positions from start on (a verify's: K more)
+        if past > self.spare - self.draft_tokens + 1:
+            raise ValueError(
+                f"the cache holds {past} positions past {start}: going on from {start} needs the window before it, "
+                f"and this ring keeps {self.spare} spare slots (read back at most every {self.readback_every} "
+                "tokens, or make the decoder with a larger readback_every)"
+            )
+        self.rewind(start)
+
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, start: int = 0):
         """The prompt in chunks, the last padded: one program for any length. ``start`` > 0 goes on after what the cache
@@ -251,6 +280,8 @@ class RingDecoder(Decoder):
         if start + length > self.max_len:
             held, verb = (f"{start} positions held + ", "exceed") if start else ("", "exceeds")
             raise ValueError(f"{held}a {length}-token prompt {verb} the cache's {self.max_len} positions")
+        if start:
+            self.go_on_from(start)
         self.at = start
         self.fit(start + length)
         if start == 0:

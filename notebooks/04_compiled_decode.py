@@ -154,6 +154,43 @@ assert verdict
 del cache
 
 # %% [markdown]
+# A prompt's rows need layers 15-34 only where a token comes out: those layers keep no K/V of
+# their own (they read layers 13's and 14's), so nothing later reads what they make for the
+# other rows. transformers skips them for every row but the last when `logits_to_keep` is an
+# int; the decoder's prefill pads the prompt to a bucket, so its last real row is a tensor, and
+# `skip_shared_layers` (written here, kept the same in `helpers.decode`) takes transformers' own
+# cut at that row. At E2B that is most of a prefill's multiplications (notebook 06 counts them).
+
+
+# %%
+# @save helpers.decode
+def skip_shared_layers(model) -> None:
+    """Run the layers that keep no K/V of their own, and the head, on the prompt rows ``logits_to_keep`` names when it is
+    a tensor, as transformers does for the last rows when it is an int (``_maybe_slice_kv_shared_inputs``, its cut,
+    taken at our rows): a padded prompt's last real row is not its last. Their K/V come from earlier layers, so no
+    other row needs them. Idempotent."""
+    text = model.model
+    own = type(text)._maybe_slice_kv_shared_inputs
+    first_shared = len(text.layers) - text.config.num_kv_shared_layers
+
+    def cut(hidden, per_layer, rotary, masks, logits_to_keep, cache=None, **kwargs):
+        if not torch.is_tensor(logits_to_keep) or cache is None:
+            return own(text, hidden, per_layer, rotary, masks, logits_to_keep, cache=cache, **kwargs)
+        rows = logits_to_keep.view(-1)
+        # a mask of None is SDPA's causal flag, which counts rows from the first: for our rows, keys up to the row
+        keys = {kind: cache.layers[i].keys.shape[2] for i, kind in enumerate(text.config.layer_types[:first_shared])}
+        causal = {kind: torch.arange(n, device=rows.device) <= rows[:, None] for kind, n in keys.items()}
+        return (
+            hidden.index_select(1, rows),
+            None if per_layer is None else per_layer.index_select(1, rows),
+            {kind: (cos.index_select(1, rows), sin.index_select(1, rows)) for kind, (cos, sin) in rotary.items()},
+            {kind: causal[kind][None, None] if m is None else m.index_select(2, rows) for kind, m in masks.items()},
+        )
+
+    text._maybe_slice_kv_shared_inputs = cut
+
+
+# %% [markdown]
 # The decoder around that step, written here (kept, the same, in `helpers.decode`; a test checks
 # the two are the same). `step` is `greedy_step` with the token chosen by `pick` (the argmax here;
 # notebook 08 samples) and the cache's buffers marked as written in place (`Backend.donate`,
@@ -166,7 +203,14 @@ del cache
 # %%
 # @save helpers.decode
 from helpers.backend import Backend
-from helpers.decode import PREFILL_BUCKETS, cache_length, kv_buffers, set_length, static_cache
+from helpers.decode import (
+    PREFILL_BUCKETS,
+    READBACK_EVERY,
+    cache_length,
+    kv_buffers,
+    set_length,
+    static_cache,
+)
 from helpers.generate import Stops
 
 
@@ -176,6 +220,7 @@ class Decoder:
 
     def __init__(self, model, backend: Backend, max_len: int, **compile_options):
         self.model, self.backend, self.max_len = model, backend, max_len
+        skip_shared_layers(model)  # a prefill's rows past the last real one stop at the last layer that keeps K/V
         self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
         self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
@@ -195,7 +240,7 @@ class Decoder:
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        # the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
+        # layers 15-34 and the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
         logits = self.model(
             input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=last
         ).logits
@@ -243,7 +288,9 @@ class Decoder:
         return Stops(self.model, history, stop_ids)
 
     @torch.no_grad()
-    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
+    def generate(
+        self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
+    ):
         """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
         every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
         self.check_room(ids.shape[1], new_tokens, start)

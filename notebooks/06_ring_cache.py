@@ -261,9 +261,32 @@ assert full.int().sum(-1).tolist() == [7, 8]  # a full layer: positions 0..6, 0.
 # %% [markdown]
 # The decoder's prefill goes through the prompt in fixed chunks, from any `start` position the
 # cache already holds (the chat of notebook 08 goes on from there).
+#
+# Going on needs the window before `start` intact. `generate` reads tokens back in blocks of 16
+# (notebook 04), so a run that stops at token 3 has already written 12 more positions. In a
+# ring of `window` slots, each of them took the slot of a position the next query still sees.
+# So the decoder's ring keeps `readback_every` spare slots. Position p takes the slot of
+# p - window - 16, which is out of every later window. `go_on_from` then forgets the positions
+# past `start`; where a run wrote more than the spare slots cover, it refuses and says why.
 
 # %%
-helpers.show(helpers.ring.RingDecoder.prefill)
+helpers.show(helpers.ring.RingDecoder.prefill, helpers.ring.RingDecoder.go_on_from)
+
+# %% [markdown]
+# Each chunk's `_prefill` passes its last real row as `logits_to_keep`, so layers 15-34 and the
+# head run on that row alone (notebook 04's `skip_shared_layers`). Before issue 44, the ring ran
+# all 35 layers and the 262,144-wide head on every row: a 512-row chunk's logits alone were
+# 268 MB in bf16. The weight FLOPs per prefilled token, computed from E2B's configuration
+# (`benchmarks/prefill.py` times both at full size):
+
+# %%
+flops = helpers.course.e2b.prefill_flops(e2b, e2b.sliding_window)
+print(
+    f"E2B, chunks of {e2b.sliding_window}: every layer and the head on every row {flops['every row'] / 1e9:.2f} GFLOP"
+    f" a token; layers 15-34 and the head on one row a chunk {flops['cut'] / 1e9:.2f} GFLOP"
+    f" ({flops['every row'] / flops['cut']:.1f}x fewer)"
+)
+assert flops["every row"] > 3.5 * flops["cut"]
 
 # %% [markdown]
 # ## Attention that reads the one K/V head as the cache holds it
@@ -324,8 +347,9 @@ print(f"the model's attention: {before} -> {model.config._attn_implementation}")
 
 # %% [markdown]
 # ## The cache on this model
-# **What we test:** a ring of `sliding_window` slots per sliding layer, a full buffer per
-# full-attention layer, nothing for K/V-sharing layers; bytes as the formula above gives them.
+# **What we test:** a ring of `sliding_window` slots and 16 spare ones per sliding layer, a full
+# buffer per full-attention layer, nothing for K/V-sharing layers; bytes as the formula above
+# gives them.
 
 # %%
 W = config.sliding_window
@@ -344,7 +368,8 @@ dtype_bytes = decoder.cache.layers[0].keys.element_size()
 ring_bytes = helpers.decode.cache_bytes(decoder.cache)
 full_bytes = helpers.course.e2b.kv_cache_bytes(config, MAX_LEN, dtype_bytes=dtype_bytes)
 print(f"ring cache: {fmt_bytes(ring_bytes)}; full-length caches would hold {fmt_bytes(full_bytes)}")
-assert ring_bytes == helpers.course.e2b.kv_cache_bytes(config, MAX_LEN, ring=True, dtype_bytes=dtype_bytes)
+ring_sizes = {"ring": True, "dtype_bytes": dtype_bytes, "spare": decoder.spare}
+assert ring_bytes == helpers.course.e2b.kv_cache_bytes(config, MAX_LEN, **ring_sizes)
 
 # %% [markdown]
 # ## Same tokens, one decode program, one prefill program
@@ -396,8 +421,8 @@ assert same_long and again.graphs == 0
 # defaults (chunks of one window; 131,328 is no multiple of E2B's 512: the padded last chunk's
 # positions past the end wrap onto the first slots and write nothing), holds exactly the
 # bytes computed above, and decodes at a context past 100,000 tokens. That is the real model
-# on a TPU, a path no machine building this course has run: look for 813,170,688 bytes and
-# tokens at position 100,005. The twin runs the same code at 1/64 of the size (2,052 positions,
+# on a TPU, a path no machine building this course has run: look for 813,367,296 bytes (the
+# 813,170,688 above and the 16 spare slots) and tokens at position 100,005. The twin runs the same code at 1/64 of the size (2,052 positions,
 # no multiple of its window either).
 
 # %%
@@ -405,8 +430,8 @@ CONTEXT = E2B_CONTEXT if not checkpoint.tiny else E2B_CONTEXT // 64
 big = helpers.ring.RingDecoder(model, backend, max_len=CONTEXT)
 big_bytes = helpers.decode.cache_bytes(big.cache)
 print(f"ring cache for {CONTEXT:,} positions: {big_bytes:,} B ({fmt_bytes(big_bytes)})")
-assert big_bytes == helpers.course.e2b.kv_cache_bytes(config, CONTEXT, ring=True, dtype_bytes=dtype_bytes)
-assert checkpoint.tiny or big_bytes == 813_170_688
+assert big_bytes == helpers.course.e2b.kv_cache_bytes(config, CONTEXT, **ring_sizes)
+assert checkpoint.tiny or big_bytes == 813_367_296
 far = CONTEXT * 100_005 // E2B_CONTEXT  # 100,005 on E2B
 far_ids = ids.repeat(1, 1 + far // ids.shape[1])[:, :far]
 with backend.compile_counter() as big_compiled:
@@ -544,7 +569,7 @@ figs = helpers.course.charts.closing_charts(results)
 
 # %% [markdown]
 # **What you should see:** the E2B cache at 813,170,688 bytes for 131,328 positions (a third
-# of full-length caches), of which a step reads about 1.9 GB; the same tokens as notebook 03 and
+# of full-length caches; 196,608 more for the decoder's 16 spare slots), of which a step reads about 1.9 GB; the same tokens as notebook 03 and
 # as a model with no cache on a prompt twenty windows long; two compilations in all, where HF's
 # `StaticCache` compiles at every step (notebook 04); and with buckets, the same tokens across a
 # bucket change, one program per bucket, and a step's bytes that grow with its bucket. On a CPU

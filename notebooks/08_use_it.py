@@ -363,10 +363,13 @@ else:
 #
 # ## A chat that keeps its cache
 # **What we test:** each turn's tokens, as the chat template writes them, prefilled in chunks
-# at the cache's current position: the history is never run again. After each turn, the
-# context and the cache's bytes (allocated once: the ring's sliding layers hold a window, the
-# full layers `MAX_LEN` positions); before a turn would pass the full layers' buffer, a clear
-# message instead. The tests check that turn 2's tokens equal those of the whole conversation
+# at the cache's current position: the history is never run again. Each reply is read back in
+# the decoder's blocks of 16, not token by token: a block may run past the reply's stop, and the
+# ring's 16 spare slots (notebook 06) keep those tokens off every slot the next turn still sees;
+# the next turn writes over them. After each turn, the
+# context and the cache's bytes (allocated once: the ring's sliding layers hold a window and
+# the spare slots, the full layers `MAX_LEN` positions); before a turn would pass the full
+# layers' buffer, a clear message instead. The tests check that turn 2's tokens equal those of the whole conversation
 # given as one prompt to the model with no cache. `USE_ASSISTANT = True` below makes it draft
 # with Gemma 4's assistant (notebook 09's speculative sampling): the same settings, the replies
 # drawn from the target's own distribution, several tokens per pass over its weights.

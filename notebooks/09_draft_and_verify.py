@@ -238,7 +238,7 @@ def assist(assistant, embedding, hidden, position, shared_kv: dict, masks: dict)
 
 # %%
 # @save helpers.draft
-from helpers.decode import Decoder, kv_buffers, set_length
+from helpers.decode import READBACK_EVERY, Decoder, kv_buffers, set_length
 from helpers.ring import RingDecoder
 
 
@@ -251,7 +251,7 @@ class Drafted:
     def __init__(self, model, assistant, backend, max_len: int, draft_tokens: int = 4, **kwargs):
         if draft_tokens < 1:
             raise ValueError(f"draft_tokens={draft_tokens}: draft at least one token (0 is notebook 04's decoder)")
-        self.assistant, self.draft_tokens, self.spare = assistant, draft_tokens, draft_tokens
+        self.assistant, self.draft_tokens = assistant, draft_tokens
         super().__init__(model, backend, max_len, **kwargs)
         self.window = model.config.get_text_config().sliding_window
         self.owners = shared_layers(model)
@@ -286,10 +286,13 @@ class Drafted:
             drafts.append(token)
         return torch.cat(drafts, dim=1), None
 
-    def target(self, tokens, positions):
-        """The target's last hidden state [1, C, H] for ``tokens`` [1, C] at ``positions`` [1, C]: its text model's
-        output, what the assistant reads (``output_hidden_states`` hooks every layer, through a lock dynamo refuses)."""
-        return self.model.model(input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True)
+    def target(self, tokens, positions, rows=0):
+        """The target's last hidden state [1, C, H] for ``tokens`` [1, C] at ``positions`` [1, C] (at ``rows`` alone,
+        a tensor): its text model's output, what the assistant reads (``output_hidden_states`` hooks every layer, through
+        a lock dynamo refuses)."""
+        return self.model.model(
+            input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=rows
+        )
 
     def head(self, hidden):
         """The target's logits from its last hidden state, as its forward makes them: ``lm_head``, then the softcap."""
@@ -333,8 +336,6 @@ class Drafted:
 
     @torch.no_grad()
     def prefill(self, ids, start: int = 0):
-        if start:  # the last run's last call may have kept drafts past its stop: forget them
-            self.rewind(torch.tensor(start, device=ids.device))
         (token, self.hidden), position = super().prefill(ids, start)  # this decoder's prefill gives the hidden too
         return token, position
 
@@ -363,7 +364,9 @@ class Drafted:
         return len(self.kept)
 
     @torch.no_grad()
-    def generate(self, ids, new_tokens: int, readback_every: int = 16, stop_ids=None, streamer=None, start: int = 0):
+    def generate(
+        self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
+    ):
         """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been
         made, or the length may have been reached."""
         self.check_room(ids.shape[1], new_tokens, start)
@@ -398,32 +401,31 @@ class DraftDecoder(Drafted, Decoder):
     def _prefill(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-        hidden = self.target(tokens, positions).last_hidden_state.index_select(1, last)
+        hidden = self.target(tokens, positions, rows=last).last_hidden_state  # the last real row's alone
         return self.pick(self.head(hidden[0]), last + 1), hidden
 
 
 class DraftRingDecoder(Drafted, RingDecoder):
-    """Notebook 06's decoder, drafting and verifying on a ring of ``window + K`` slots: a rejected draft's position
+    """Notebook 06's decoder, drafting and verifying on a ring with K more spare slots: a rejected draft's position
     takes a slot, which in a ring of ``window`` held a position the next query still sees."""
 
     def key_positions(self) -> dict:
         positions = super().key_positions()
         return {**positions, "sliding_attention": self.cache.slot_positions}
 
-    def target(self, tokens, positions, valid=None):
+    def target(self, tokens, positions, rows=0, valid=None):
         valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device) if valid is None else valid
-        return self.forward_chunk(tokens, positions, valid, self.model.model)
+        return self.forward_chunk(tokens, positions, valid, self.model.model, rows)
 
     def donate(self) -> None:
         if self.backend.donates_a_ring_verify:
             super().donate()
 
-    def rewind(self, length) -> None:
-        self.cache.slot_positions.masked_fill_(self.cache.slot_positions >= length, EMPTY)
+    rewind = RingDecoder.rewind  # not Drafted's, the static cache's
 
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
-        hidden = self.target(tokens, positions, valid).last_hidden_state.index_select(1, last)
+        hidden = self.target(tokens, positions, last, valid).last_hidden_state
         return self.pick(self.head(hidden[0]), positions[0].index_select(0, last) + 1), hidden
 
     @torch.no_grad()
@@ -599,11 +601,12 @@ assert counts[p2 == 0].sum() == 0  # nothing the target's warpers removed is eve
 # **What you should see:** the two bars of each token close together (400 draws: a few percent
 # apart); only tokens the target's top-k keeps.
 #
-# ## Why the ring needs window + K slots
+# ## Why the ring needs K more spare slots
 # A verify writes the K/V of all K+1 tokens before it knows which it keeps. On a ring of `window`
 # slots, a rejected draft's position takes the slot of a position `window` earlier, one the next
 # query still sees. With K spare slots, the slot it takes held a position out of every future
-# window. Below, one call whose drafts are rejected (each the twin's last token id), on both rings: each slot's position after
+# window. (The decoder keeps `readback_every` spare slots besides, for what a block makes past a
+# stop: notebook 06.) Below, one call whose drafts are rejected (each the twin's last token id), on both rings: each slot's position after
 # it, and in red the positions the next query needs that the ring no longer holds.
 
 # %%

@@ -79,3 +79,27 @@ def packed_table_twin(tmp_path_factory):
     }
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
+
+
+def linear_rows(fn, *args, within=(), **kwargs) -> list[tuple[int, bool]]:
+    """Each matmul with a weight (``F.linear``) that ``fn(*args, **kwargs)`` runs, eagerly, in order: its rows, and
+    whether it ran inside one of the modules ``within``."""
+    import torch
+
+    rows, inside = [], []
+    hooks = [m.register_forward_pre_hook(lambda *_: inside.append(True) and None) for m in within]
+    hooks += [m.register_forward_hook(lambda *_: inside.pop() and None) for m in within]  # None: outputs kept
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.nn.functional.linear:
+                rows.append((args[0].reshape(-1, args[0].shape[-1]).shape[0], bool(inside)))
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with torch.no_grad(), Record():
+            fn(*args, **kwargs)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return rows

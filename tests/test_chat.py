@@ -113,12 +113,15 @@ def test_each_turn_goes_in_after_the_cache_and_a_too_long_one_is_refused(convers
     assert chat.turn_ids("x")[0] != chat.tokenizer.bos_token_id  # no second BOS: the history is not sent again
     with pytest.raises(ValueError, match="past the full layers' buffer of 256"):
         chat.say("word " * 300)
+    with pytest.raises(ValueError, match="spare slots for 16 tokens past a reply's stop"):
+        c.Chat(chat.decoder, chat.tokenizer, readback_every=17)
     assert chat.status() == status  # refused before anything changed
 
 
 def test_the_chat_widget_streams_a_scripted_turn(conversation, series):
     pytest.importorskip("ipywidgets")
-    chat = c.Chat(conversation[0].decoder, series.tokenizer, max_new_tokens=6)  # a new chat: the cache starts over
+    # a new chat, the cache started over; read back every 2 tokens, so the rate after the first block shows
+    chat = c.Chat(conversation[0].decoder, series.tokenizer, max_new_tokens=6, readback_every=2)
     ui = widgets.chat_widget(chat)
     ui.submit(TURNS[0])
     log, live = ui.children[0].value, ui.children[1].value

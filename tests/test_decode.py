@@ -25,6 +25,36 @@ def setup():
     return backend, model, tokenizer, ids, series, decoder, tokens, count
 
 
+def test_a_prefill_runs_the_layers_that_keep_no_kv_and_the_head_on_its_last_real_row_alone(setup):
+    """transformers' cut before the first KV-sharing layer, taken at the padded prompt's last real row: every matmul of
+    those layers, and the head's, on that one row; every other on all the rows (the static bucket, the ring's chunk).
+    The tokens are checked above and in test_ring."""
+    from conftest import linear_rows
+
+    from helpers import ring
+
+    backend, model, _, ids, _, decoder, _, _ = setup
+    config = model.config.get_text_config()
+    cut = [*model.model.layers[config.num_hidden_layers - config.num_kv_shared_layers :], model.lm_head]
+    last = torch.tensor([ids.shape[1] - 1], device=ids.device)
+    bucket = decoder.bucket(ids.shape[1])
+    padded = torch.zeros(1, bucket, dtype=ids.dtype, device=ids.device)
+    padded[:, : ids.shape[1]] = ids
+    ringed = ring.RingDecoder(model, backend, max_len=128)
+    (_, positions, valid), *_ = ringed.chunks(ids.shape[1], ids.device)
+    chunk = ringed.chunk_size
+    chunk_last = torch.tensor([min(ids.shape[1], chunk) - 1], device=ids.device)  # the first chunk's last real row
+    for rows, every in (
+        (linear_rows(decoder._prefill, padded, last, within=cut), bucket),
+        (
+            linear_rows(ringed._prefill, padded[:, :chunk], positions, valid, chunk_last, within=cut),
+            chunk,
+        ),
+    ):
+        assert {(1, True), (every, False)} == set(rows), set(rows)
+        assert sum(inside for _, inside in rows) == 1 + config.num_kv_shared_layers * 7  # q, o, 3 MLP, 2 per-layer
+
+
 def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(backend):
     checkpoint = hub.choose_checkpoint(backend)
     if not verdict.unpack_is_exact(backend.device):

@@ -1,5 +1,5 @@
 """Draft and verify (notebook 09): the target's greedy tokens for K = 1..6, every draft kept or none, a stop inside
-the drafts, a prompt several windows long on a ring of window + K slots, HF's assisted generate, one draft graph and
+the drafts, a prompt several windows long on a ring with K more spare slots, HF's assisted generate, one draft graph and
 one verify graph per K."""
 
 import pytest
@@ -103,7 +103,7 @@ def test_a_prompt_several_windows_long_on_the_ring(setup):
         tokens = decoder.generate(prompt, 24, stop_ids=())
         result, _ = judged(tokens, setup, prompt, 24, stop=False)
         assert result, result
-        assert decoder.cache.slot_positions.numel() == W + k
+        assert decoder.cache.slot_positions.numel() == W + 16 + k  # a block's spare slots, then the drafts'
 
 
 def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
@@ -123,6 +123,25 @@ def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
         assert q - int(start) <= k - 1  # at least two drafts rejected: their positions written, then forgotten
         held = set(decoder.cache.slot_positions.tolist())
         assert (not set(range(q - W + 1, q)) <= held) == loses
+
+
+def test_a_drafting_ring_goes_on_after_a_block_read_back_past_its_stop(setup):
+    """Blocks of 16 tokens and a call's K drafts past a stop: the ring's 16 + K spare slots keep them off every slot
+    the next run's queries see, and the next run, from the stop, gives the reference's tokens."""
+    backend, model, assistant, reference, _ = setup
+    prompt = torch.randint(3, 512, (1, 2 * W + 3), generator=torch.Generator().manual_seed(2))
+    turn = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(3))
+    k = 4
+    decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k))
+    assert decoder.cache.slot_positions.numel() == W + 16 + k
+    stop = decoder.generate(prompt, 16, stop_ids=())[1]
+    reply = decoder.generate(prompt, 40, stop_ids=[stop])
+    held = prompt.shape[1] + len(reply) - 1
+    assert len(reply) <= 2 and decoder.cache.get_seq_length() > held + 1  # kept tokens past the stop
+    went_on = decoder.generate(torch.cat([torch.tensor([reply[-1:]]), turn], dim=1), 12, stop_ids=(), start=held)
+    history = torch.cat([prompt, torch.tensor([reply]), turn], dim=1)
+    result, _ = judged(went_on, setup, history, 12, stop=False)
+    assert result, result
 
 
 @pytest.mark.parametrize("k", [2, 4])

@@ -166,9 +166,9 @@ def test_the_cache_holds_a_window_per_sliding_layer_a_full_buffer_per_full_layer
         attn = decoder.self_attn
         assert layer.is_initialized == (not attn.is_kv_shared_layer)
         if layer.is_initialized:
-            assert layer.keys.shape[2] == (W if attn.is_sliding else 96)
+            assert layer.keys.shape[2] == (W + 16 if attn.is_sliding else 96)  # spare slots: a block past a stop
     config = tiny.config
-    assert d.cache_bytes(cache) == e2b.kv_cache_bytes(config, 96, ring=True, dtype_bytes=4)
+    assert d.cache_bytes(cache) == e2b.kv_cache_bytes(config, 96, ring=True, dtype_bytes=4, spare=16)
     assert d.cache_bytes(cache) < e2b.kv_cache_bytes(config, 96, dtype_bytes=4)
 
 
@@ -181,6 +181,8 @@ def test_e2b_ring_cache_bytes_at_131328_positions():
     model = e2b.meta_model(config).to(torch.bfloat16)
     cache = ring.RingCache(model, 131_328, config.sliding_window)
     assert d.cache_bytes(cache) == 813_170_688
+    spare = ring.RingCache(model, 131_328, config.sliding_window, spare=16)  # a RingDecoder's, for its blocks
+    assert d.cache_bytes(spare) == e2b.kv_cache_bytes(config, 131_328, ring=True, spare=16) == 813_367_296
     # what a step reads: the 7 full layers each a full-length buffer (layers 19-34 read layer 14's),
     # the 28 sliding ones a window: ~1.90 GB, from the tensors as from the configuration
     full = 2 * 512 * 2 * 131_328  # K and V, one head of 512, bf16: 268,959,744 B a full layer
@@ -197,6 +199,34 @@ def test_a_max_len_that_is_no_multiple_of_the_chunk_gives_the_no_cache_tokens(ti
     for _ in range(6):
         seq = torch.cat([seq, _no_cache(tiny, seq)[0][-1:].argmax(-1)[None]], dim=1)
     assert verdict.compare_tokens(tokens, seq[0, prompt.shape[1] :].tolist(), tiny, prompt)
+
+
+def test_a_run_goes_on_after_a_block_read_back_past_its_stop(tiny, cpu):
+    """A block of 16 tokens runs past a stop; the ring's 16 spare slots keep what it made off every slot the next
+    run's queries see, and the next run, from the stop, gives the no-cache tokens. A ring with too few spare slots
+    refuses to go on, where it has lost a position the next query sees."""
+    prompt = torch.randint(3, 512, (1, 2 * W + 3), generator=torch.Generator().manual_seed(2))
+    turn = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(3))
+    for every, spare in ((16, 16), (1, 1)):
+        decoder = ring.RingDecoder(tiny, cpu, max_len=4 * W, readback_every=every)
+        decoder.prefill_step, decoder.decode_step = decoder._prefill, decoder.step  # eager: the same code
+        assert decoder.cache.slot_positions.numel() == W + spare
+        stop = decoder.generate(prompt, 16, stop_ids=())[3]
+        reply = decoder.generate(prompt, 16, readback_every=16, stop_ids=[stop])
+        held = prompt.shape[1] + len(reply) - 1  # where the stop goes in: the next run feeds it first
+        assert len(reply) <= 4 and decoder.cache.get_seq_length() == prompt.shape[1] + 15  # a block past it
+        kept = set(range(held - W + 1, held)) <= set(decoder.cache.slot_positions.tolist())
+        assert kept == (spare == 16)
+        new = torch.cat([torch.tensor([reply[-1:]]), turn], dim=1)
+        if spare == 1:
+            with pytest.raises(ValueError, match="this ring keeps 1 spare slots"):
+                decoder.generate(new, 6, stop_ids=(), start=held)
+            continue
+        went_on = decoder.generate(new, 6, stop_ids=(), start=held)
+        seq = history = torch.cat([prompt, torch.tensor([reply]), turn], dim=1)
+        for _ in range(6):
+            seq = torch.cat([seq, _no_cache(tiny, seq)[0][-1:].argmax(-1)[None]], dim=1)
+        assert verdict.compare_tokens(went_on, seq[0, history.shape[1] :].tolist(), tiny, history)
 
 
 def test_bad_sizes_and_too_long_requests_are_refused_up_front_with_the_numbers(tiny, cpu):

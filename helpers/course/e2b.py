@@ -9,6 +9,7 @@ import pathlib
 import torch
 
 from ..backend import V5E_BYTES_PER_S
+from ..decode import READBACK_EVERY
 from ..packed import GROUP_SIZE, table_row_words
 
 # The source study's ring cache held 131,328 positions: the course's long-context figures use it.
@@ -71,28 +72,28 @@ def component_bytes(model) -> list[dict]:
     return out
 
 
-def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
+def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2, spare: int = 0) -> int:
     """Bytes of K and V for ``positions`` tokens over the cache-owning layers (KV-sharing layers
-    hold none); with ``ring``, sliding layers keep only their window."""
-    total = 0
-    for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
-        if mode == "reuse":
-            continue
-        layer = config.per_layer_config[i]
-        length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
-        total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
-    return total
+    hold none); with ``ring``, sliding layers keep only their window and ``spare`` slots."""
+    return _kv_bytes(config, positions, ring, dtype_bytes, spare, read=False)
 
 
-def kv_read_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2) -> int:
+def kv_read_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2, spare: int = 0) -> int:
     """Bytes of K and V one decode step reads: a K/V-sharing layer reads its type's last owner's
     (E2B: 7 full layers read full length, 28 sliding ones a window with ``ring``)."""
+    return _kv_bytes(config, positions, ring, dtype_bytes, spare, read=True)
+
+
+def _kv_bytes(config, positions: int, ring: bool, dtype_bytes: int, spare: int, read: bool) -> int:
     total, owner = 0, {}
     for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
         if mode != "reuse":
             owner[kind] = i
+        elif not read:
+            continue
         layer = config.per_layer_config[owner[kind]]
-        length = min(positions, config.sliding_window) if ring and kind == "sliding_attention" else positions
+        ring_slots = min(positions, config.sliding_window + spare)
+        length = ring_slots if ring and kind == "sliding_attention" else positions
         total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
     return total
 
@@ -103,6 +104,27 @@ def full_attention_bytes(config, positions: int, chunk: int = 1) -> dict[str, in
     layer = next(c for c, kind in zip(config.per_layer_config, config.layer_types) if kind == "full_attention")
     heads = config.num_attention_heads
     return {"k_repeated": heads * positions * layer.head_dim * 2, "scores": heads * chunk * positions * 4}
+
+
+def prefill_flops(config, chunk: int) -> dict[str, float]:
+    """Weight FLOPs per prefilled token (a multiply-add per weight; attention's scores not counted), for a prompt in
+    chunks of ``chunk`` rows: ``every row`` runs every layer and the head on each row (the ring's prefill before issue
+    44), ``head on one row`` every layer on each row (notebook 04's before it), ``cut`` the layers from the first
+    KV-sharing one on, and the head, on one row a chunk (transformers' cut)."""
+    model = meta_model(config)
+    first_shared = config.num_hidden_layers - config.num_kv_shared_layers
+
+    def linears(layers) -> int:
+        return sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
+
+    inner = model.model
+    own = 2 * (linears(inner.layers[:first_shared]) + linears([inner]) - linears(inner.layers))  # + per-layer inputs
+    shared, head = 2 * linears(inner.layers[first_shared:]), 2 * model.lm_head.weight.numel()
+    return {
+        "every row": own + shared + head,
+        "head on one row": own + shared + head / chunk,
+        "cut": own + (shared + head) / chunk,
+    }
 
 
 def estimate_device_bytes(config, dequantize: bool) -> int:
@@ -186,18 +208,20 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
     # (bytes, bytes of a row) as notebook 05 lays it out: float32 steps beside the codes, rows of 128-word multiples
     table = {"bf16": (rows * cols * 2, cols * 2), "int4": (table_bytes(rows, cols), table_row_words(cols) * 4)}
     head = {"bf16": embed * 2, "int4": table_bytes(*inner.embed_tokens.weight.shape)}
-    steps = [  # (step, linears, per-layer table, main table and head, positions, ring)
-        ("03 baseline generate", "bf16", "bf16", "bf16", context, True),
-        ("04 compiled decode", "bf16", "bf16", "bf16", context, False),
-        ("05 4-bit table", "bf16", "int4", "bf16", context, False),
-        (f"06 ring cache, {ring_context:,} positions", "bf16", "int4", "bf16", ring_context, True),
-        ("07 past the source, int4 codes a byte each", "int4 bytes", "int4", "bf16", context, False),
-        ("07 past the source, int4 linears", "int4", "int4", "bf16", context, False),
-        ("07 past the source, int4 linears, 4-bit head", "int4", "int4", "int4", context, False),
+    # (step, linears, per-layer table, main table and head, positions, ring: its slots past the window, or None)
+    steps = [
+        ("03 baseline generate", "bf16", "bf16", "bf16", context, 0),
+        ("04 compiled decode", "bf16", "bf16", "bf16", context, None),
+        ("05 4-bit table", "bf16", "int4", "bf16", context, None),
+        (f"06 ring cache, {ring_context:,} positions", "bf16", "int4", "bf16", ring_context, READBACK_EVERY),
+        ("07 past the source, int4 codes a byte each", "int4 bytes", "int4", "bf16", context, None),
+        ("07 past the source, int4 linears", "int4", "int4", "bf16", context, None),
+        ("07 past the source, int4 linears, 4-bit head", "int4", "int4", "int4", context, None),
     ]
     out = []
-    for step, lin_fmt, table_fmt, head_fmt, positions, ring in steps:
-        cache = kv_read_bytes(config, positions, ring)
+    for step, lin_fmt, table_fmt, head_fmt, positions, spare in steps:
+        ring = {"ring": spare is not None, "spare": spare or 0}
+        cache = kv_read_bytes(config, positions, **ring)
         weights = lin[lin_fmt] + table[table_fmt][0] + head[head_fmt] + rest * 2
         read = lin[lin_fmt] + table[table_fmt][1] + head[head_fmt] + rest * 2 + cache
         out.append(
@@ -207,7 +231,7 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
                 "per-layer table": table_fmt,
                 "head": head_fmt,
                 "weights_on_device": weights,
-                "cache_held": kv_cache_bytes(config, positions, ring),
+                "cache_held": kv_cache_bytes(config, positions, **ring),
                 "cache_read": cache,
                 "bytes_per_token": read,
                 "ceiling_tok_s": bandwidth / read,
