@@ -13,6 +13,7 @@ import pathlib
 import re
 import tempfile
 import time
+import warnings
 from typing import Callable
 
 import torch
@@ -87,6 +88,30 @@ def enable_dump() -> pathlib.Path:
     folder = pathlib.Path(tempfile.mkdtemp(prefix="xla-dump-"))
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {DUMP_FLAGS.format(folder)}".strip()
     return folder
+
+
+@contextlib.contextmanager
+def _tpu_eager_mode(eager):
+    """TorchTPU's eager mode for a block: 0.2.0's ``set_eager_mode`` is a context manager; an earlier wheel's sets the
+    mode at once and returns nothing (``get_eager_mode`` reads it back), so that one is set and restored here."""
+    previous = torch.tpu.get_eager_mode() if hasattr(torch.tpu, "get_eager_mode") else None
+    scoped = torch.tpu.set_eager_mode(eager)
+    if hasattr(scoped, "__enter__"):
+        with scoped:
+            yield
+        return
+    from importlib.metadata import version
+
+    warnings.warn(
+        f"torch_tpu {version('torch_tpu')}: set_eager_mode is a setter there, not 0.2.0's context manager; the "
+        f"course sets the mode and puts back {previous} after the block (pin torch_tpu==0.2.0 to match it)",
+        stacklevel=3,
+    )
+    try:
+        yield
+    finally:
+        if previous is not None:
+            torch.tpu.set_eager_mode(previous)
 
 
 @dataclasses.dataclass
@@ -281,7 +306,7 @@ class Backend:
         self._check_mode(mode)
         if self.name == "tpu" and mode != "compile":
             eager = torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "defer_and_fuse" else torch.tpu.EagerMode.DEFER_NEVER
-            with torch.tpu.set_eager_mode(eager):
+            with _tpu_eager_mode(eager):
                 yield
         elif self.name == "xla":
             was_eager = self._xla.experimental.is_eager_mode()

@@ -65,8 +65,8 @@ def allocated_layers(model, make_layer) -> list:
     return layers
 
 
-def set_length(cache: Cache, length: int) -> None:
-    """Rewind or advance every allocated layer to ``length`` positions."""
+def set_length(cache: Cache, length) -> None:
+    """Rewind or advance every allocated layer to ``length`` positions (a device tensor: the same program for any)."""
     for layer in cache.layers:
         if layer.is_initialized:
             layer.cumulative_length.fill_(length)
@@ -178,12 +178,14 @@ class Decoder:
         if start:
             raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
         length = ids.shape[1]
-        padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype, device=ids.device)
-        padded[:, :length] = ids
-        set_length(self.cache, 0)
-        token = self.prefill_step(padded, torch.tensor([length - 1], device=ids.device))
-        set_length(self.cache, length)
-        return token, torch.tensor([[length]], device=ids.device)
+        # built on the host, then copied: a TPU compiles an eager op per shape (deferred, per scalar value too)
+        padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype)
+        padded[:, :length] = ids.cpu()
+        zero, last, end = (torch.tensor(n, device=ids.device) for n in (0, length - 1, length))
+        set_length(self.cache, zero)
+        token = self.prefill_step(padded.to(ids.device), last.view(1))
+        set_length(self.cache, end)
+        return token, end.view(1, 1)
 
     @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
     def call(self, token, position):

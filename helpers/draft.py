@@ -83,8 +83,9 @@ def draft_bytes(decoder) -> int:
 
 
 class Drafted:
-    """Notebook 09's additions to a decoder (first among its bases): each call drafts ``draft_tokens`` (K) with
-    ``assistant`` in one compiled program and verifies them in another, a forward of K+1 tokens."""
+    """Notebook 09's additions to a decoder (first among its bases): each call verifies ``draft_tokens`` (K) drafts, a
+    forward of K+1 tokens, then drafts the next call's K with ``assistant``, in one compiled program (a prefill drafts
+    the first call's)."""
 
     at = 0  # positions held, at most (a ring's buckets read it)
 
@@ -95,10 +96,9 @@ class Drafted:
         super().__init__(model, backend, max_len, **kwargs)
         self.window = model.config.get_text_config().sliding_window
         self.owners = shared_layers(model)
-        self.hidden = None  # the target's last hidden state [1, 1, H], for the next draft
-        options = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "buckets")}
-        self.draft_step = backend.compile(self.draft, fullgraph=True, **options)
-        self.verify_step = backend.compile(self.verify, fullgraph=True, **options)
+        self.drafts = None  # the next call's drafts, and what they were drawn from
+        options = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "buckets", "readback_every")}
+        self.call_step = backend.compile(self.verify_and_draft, fullgraph=True, **options)
         self.kept: list[int] = []  # per call of the last run: the drafts the target kept
 
     def key_positions(self) -> dict:
@@ -174,15 +174,19 @@ class Drafted:
         made = self.pick(logits, at)[:, 0]
         return (drafts == made[:-1]).cumprod(0).sum(), made
 
+    def verify_and_draft(self, token, position, drafts, q=None):
+        """One call: ``verify``, then the next call's drafts from the token and hidden state it leaves (``draft``)."""
+        block, token, position, hidden = self.verify(token, drafts, position, q)
+        return block, token, position, self.draft(token, hidden, position)
+
     @torch.no_grad()
     def prefill(self, ids, start: int = 0):
-        (token, self.hidden), position = super().prefill(ids, start)  # this decoder's prefill gives the hidden too
+        (token, self.drafts), position = super().prefill(ids, start)  # this decoder's prefill drafts too
         return token, position
 
     @torch.no_grad()
     def call(self, token, position):
-        drafts, q = self.draft_step(token, self.hidden, position)
-        block, token, position, self.hidden = self.verify_step(token, drafts, position, q)
+        block, token, position, self.drafts = self.call_step(token, position, *self.drafts)
         return block, token, position
 
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
@@ -242,7 +246,8 @@ class DraftDecoder(Drafted, Decoder):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         hidden = self.target(tokens, positions, rows=last).last_hidden_state  # the last real row's alone
-        return self.pick(self.head(hidden[0]), last + 1), hidden
+        token = self.pick(self.head(hidden[0]), last + 1)
+        return token, self.draft(token, hidden, (last + 1).view(1, 1))  # the first call's drafts
 
 
 class DraftRingDecoder(Drafted, RingDecoder):
@@ -266,7 +271,9 @@ class DraftRingDecoder(Drafted, RingDecoder):
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
         hidden = self.target(tokens, positions, last, valid).last_hidden_state
-        return self.pick(self.head(hidden[0]), positions[0].index_select(0, last) + 1), hidden
+        at = positions[0].index_select(0, last) + 1
+        token = self.pick(self.head(hidden[0]), at)
+        return token, self.draft(token, hidden, at.view(1, 1))  # the first call's drafts (each chunk's: one program)
 
     @torch.no_grad()
     def call(self, token, position):

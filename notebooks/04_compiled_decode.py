@@ -260,12 +260,14 @@ class Decoder:
         if start:
             raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
         length = ids.shape[1]
-        padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype, device=ids.device)
-        padded[:, :length] = ids
-        set_length(self.cache, 0)
-        token = self.prefill_step(padded, torch.tensor([length - 1], device=ids.device))
-        set_length(self.cache, length)
-        return token, torch.tensor([[length]], device=ids.device)
+        # built on the host, then copied: a TPU compiles an eager op per shape (deferred, per scalar value too)
+        padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype)
+        padded[:, :length] = ids.cpu()
+        zero, last, end = (torch.tensor(n, device=ids.device) for n in (0, length - 1, length))
+        set_length(self.cache, zero)
+        token = self.prefill_step(padded.to(ids.device), last.view(1))
+        set_length(self.cache, end)
+        return token, end.view(1, 1)
 
     @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
     def call(self, token, position):
@@ -375,14 +377,20 @@ assert sum(counts) > 1
 # input only when the graph marks it a buffer donor, which `Decoder.step` and the prefill do
 # through `Backend.donate`. On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, XLA dumps
 # what it compiles (its [HLO](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#hlo)) and the cell reads it (`helpers.course.programs`): per program, the cache buffers,
-# how many are aliased, the bytes copied per call. On a TPU, TorchTPU 0.2.0's compile offers
-# no donation mark (its sources: a mutated input is [functionalized](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#functionalized), the program returns a new
-# buffer, and the tensor is pointed at it after the call). So the hypothesis, which no machine
-# building this course could test: there the step writes a fresh cache every token, unless
-# XLA aliases it by itself. How a v5e-1 would test it: time the step at one fixed context with
-# caches of growing `max_len` (notebook 06 builds them). A step that writes its whole cache
-# slows as `max_len` grows by about twice the cache's bytes over the bandwidth; one that writes
-# in place slows only by the larger buffer the attention reads.
+# how many are aliased, the bytes copied per call.
+#
+# On a TPU, TorchTPU's `torch.compile` backend does not write the cache in place. Its sources
+# (`torch_tpu/_internal/compile/_backend.py` in the public mirror `jonathan1920/torch_tpu`) call
+# `aot_autograd(..., keep_inference_input_mutations=False)`, and it takes no option for donation.
+# A mutated input is [functionalized](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#functionalized): the program returns the updated cache as a new
+# buffer, and torch's own runtime wrapper copies it back into the cache's tensor after each
+# call (`copy_`). At 131,328 positions that is about 1.6 GB more traffic a token, and a second
+# copy of the cache at the peak. Newer TorchTPU code has a `donated_inputs` list in its compiler,
+# which this compile path does not reach; no machine building the course could try another.
+# So this stays a hypothesis, and the cell below prints the test a reader's v5e-1 runs: the
+# step timed at one context with caches of two lengths. The extra time, times the bandwidth,
+# over the extra cache bytes counts the passes a step makes over its cache: about 1 if it
+# writes in place, 3 or more if each call's cache is copied back.
 
 # %%
 helpers.show(helpers.backend.Backend.donate)
@@ -405,13 +413,22 @@ if audit_folder:
 else:
     print(f"{backend.name}: no XLA dump to read here (the xla backend with HELPERS_XLA_AUDIT=1 shows it)")
 
+# %%
+if backend.on_tpu:  # the hypothesis's test on a reader's v5e-1: no machine building the course has run it
+    passes = helpers.course.measure.cache_passes(model, ids, backend, (MAX_LEN, 16 * MAX_LEN))
+    print(f"a step makes {passes['passes']:.1f} passes over its cache: {passes}")
+    torch._dynamo.reset()
+    decoder.generate(ids, 2)  # the notebook's decoder, compiled again
+else:
+    print(f"{backend.name}: on a TPU, this cell times the step at caches of {MAX_LEN} and {16 * MAX_LEN} positions")
+
 # %% [markdown]
 # **What you should see:** on `xla` with the audit on, every cache buffer aliased in both
 # programs and 0 bytes copied. At E2B's shapes the same holds: `benchmarks/xla_programs.py`
 # (XLA's CPU compiler, 2026-12-05, output in `benchmarks/`) reads 30 of 30 cache buffers
 # aliased in this notebook's prefill and step, and in every program of notebooks 05-07,
-# the 131,328-position ring's included. On a TPU, look for the same in TorchTPU's
-# program: a step whose outputs include a whole new cache is copying it.
+# the 131,328-position ring's included. On a TPU, the passes: about 1 would refute the
+# hypothesis (the cache written in place); 3 or more would confirm it.
 #
 # > **Aside: 64-bit integer ops in XLA's programs** (PyTorch/XLA readers; a TPU reader may skip
 # > it). The `s64_ops` column is not 0, and cannot be from PyTorch: its index ops (`index_copy_`,

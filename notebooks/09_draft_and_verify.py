@@ -39,7 +39,8 @@
 # greedy verification the tokens are the target's own, this course's rule.
 #
 # **What we test:** the tokens are notebook 03's (the one verdict), with HF's assisted `generate`
-# as the reference; one compiled draft program and one compiled verify program per K, none per
+# as the reference; per K one compiled call (the verify, then the next call's drafts) besides the
+# prefill (which drafts the first call's), none per
 # token; on the static cache and on the ring. The tests add: K = 1..6, every draft kept, every
 # draft rejected, a stop token inside the drafts, a prompt several windows long on the ring.
 #
@@ -230,9 +231,10 @@ def assist(assistant, embedding, hidden, position, shared_kv: dict, masks: dict)
 # %% [markdown]
 # ## Verify: K+1 tokens in one forward, the longest agreeing prefix kept
 # The whole loop, written as a class that goes first among a decoder's bases (as notebook 08's
-# sampler): `draft` and `verify` are two compiled programs, `call` runs them back to back on the
-# device, and `generate` reads the tokens back as notebook 04's loop does, now 1 to K+1 of them per
-# call (-1 marks the rest). After a verify the cache is rewound to the tokens kept: a static
+# sampler). A call is one compiled program, `verify_and_draft`: the verify, then the next call's
+# drafts from the token and hidden state it leaves, so nothing waits between the two (the prefill
+# drafts the first call's). `generate` reads the tokens back as notebook 04's loop does, now 1 to
+# K+1 of them per call (-1 marks the rest). After a verify the cache is rewound to the tokens kept: a static
 # cache's positions past them are written again by the next call, as notebook 04's prefill does
 # with its padding.
 
@@ -243,8 +245,9 @@ from helpers.ring import RingDecoder
 
 
 class Drafted:
-    """Notebook 09's additions to a decoder (first among its bases): each call drafts ``draft_tokens`` (K) with
-    ``assistant`` in one compiled program and verifies them in another, a forward of K+1 tokens."""
+    """Notebook 09's additions to a decoder (first among its bases): each call verifies ``draft_tokens`` (K) drafts, a
+    forward of K+1 tokens, then drafts the next call's K with ``assistant``, in one compiled program (a prefill drafts
+    the first call's)."""
 
     at = 0  # positions held, at most (a ring's buckets read it)
 
@@ -255,10 +258,9 @@ class Drafted:
         super().__init__(model, backend, max_len, **kwargs)
         self.window = model.config.get_text_config().sliding_window
         self.owners = shared_layers(model)
-        self.hidden = None  # the target's last hidden state [1, 1, H], for the next draft
-        options = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "buckets")}
-        self.draft_step = backend.compile(self.draft, fullgraph=True, **options)
-        self.verify_step = backend.compile(self.verify, fullgraph=True, **options)
+        self.drafts = None  # the next call's drafts, and what they were drawn from
+        options = {k: v for k, v in kwargs.items() if k not in ("chunk_size", "buckets", "readback_every")}
+        self.call_step = backend.compile(self.verify_and_draft, fullgraph=True, **options)
         self.kept: list[int] = []  # per call of the last run: the drafts the target kept
 
     def key_positions(self) -> dict:
@@ -334,15 +336,19 @@ class Drafted:
         made = self.pick(logits, at)[:, 0]
         return (drafts == made[:-1]).cumprod(0).sum(), made
 
+    def verify_and_draft(self, token, position, drafts, q=None):
+        """One call: ``verify``, then the next call's drafts from the token and hidden state it leaves (``draft``)."""
+        block, token, position, hidden = self.verify(token, drafts, position, q)
+        return block, token, position, self.draft(token, hidden, position)
+
     @torch.no_grad()
     def prefill(self, ids, start: int = 0):
-        (token, self.hidden), position = super().prefill(ids, start)  # this decoder's prefill gives the hidden too
+        (token, self.drafts), position = super().prefill(ids, start)  # this decoder's prefill drafts too
         return token, position
 
     @torch.no_grad()
     def call(self, token, position):
-        drafts, q = self.draft_step(token, self.hidden, position)
-        block, token, position, self.hidden = self.verify_step(token, drafts, position, q)
+        block, token, position, self.drafts = self.call_step(token, position, *self.drafts)
         return block, token, position
 
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
@@ -402,7 +408,8 @@ class DraftDecoder(Drafted, Decoder):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         hidden = self.target(tokens, positions, rows=last).last_hidden_state  # the last real row's alone
-        return self.pick(self.head(hidden[0]), last + 1), hidden
+        token = self.pick(self.head(hidden[0]), last + 1)
+        return token, self.draft(token, hidden, (last + 1).view(1, 1))  # the first call's drafts
 
 
 class DraftRingDecoder(Drafted, RingDecoder):
@@ -426,7 +433,9 @@ class DraftRingDecoder(Drafted, RingDecoder):
     def _prefill(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
         hidden = self.target(tokens, positions, last, valid).last_hidden_state
-        return self.pick(self.head(hidden[0]), positions[0].index_select(0, last) + 1), hidden
+        at = positions[0].index_select(0, last) + 1
+        token = self.pick(self.head(hidden[0]), at)
+        return token, self.draft(token, hidden, at.view(1, 1))  # the first call's drafts (each chunk's: one program)
 
     @torch.no_grad()
     def call(self, token, position):
@@ -439,8 +448,9 @@ class DraftRingDecoder(Drafted, RingDecoder):
 
 # %% [markdown]
 # ## On the static cache and on the ring, compiled
-# **What we test:** for each K, the tokens are notebook 03's; three graphs compile on the first
-# run (the prefill, the draft, the verify) and none on the second; tokens per verify and the
+# **What we test:** for each K, the tokens are notebook 03's; two graphs compile on the first
+# run (the prefill, which drafts the first call's tokens, and the call: a verify, then the next
+# drafts) and none on the second; tokens per verify and the
 # drafts kept at each draft position; tok/s against notebook 06's one-token ring decoder, timed
 # in this run.
 
@@ -463,7 +473,7 @@ for k in ks:
         row = helpers.course.steps.record_draft(results, series, decoder, tokens, compiled, timed["rates"])
         kept_at[f"{kind.__name__}, K={k}"] = decoder.kept_at()
         rows.append({**row, "again": again.graphs, "x one-token": row["decode_tok_s"] / base["decode_tok_s"]})
-        assert row["same_tokens"] and compiled.graphs == 3 and again.graphs == 0, row
+        assert row["same_tokens"] and compiled.graphs == 2 and again.graphs == 0, row
 print(f"notebook 06's one-token ring decoder: {base['decode_tok_s']:.1f} tok/s")
 print(
     table(
@@ -492,14 +502,12 @@ ax.set_title(f"drafts kept, {checkpoint.name} on {backend.name}, this run")
 ax.legend()
 
 # %% [markdown]
-# **What you should see:** the same tokens on both caches, 3 graphs then 0 (on PyTorch/XLA 2.9
+# **What you should see:** the same tokens on both caches, 2 graphs then 0 (on PyTorch/XLA 2.9
 # the ring's verify copies its K/V instead of reusing them: its dynamo bridge fails the verify
 # with them [donated](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated)),
 # and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
-# Whether that is faster depends on what a verify of K+1 tokens costs against one step: on a TPU,
-# where a step is bound by reading the weights, nearly the same (the hypothesis: K+1 = 5 costs under
-# 1.2 steps at E2B; the measurement: `benchmarks/draft_full_size.py --backend tpu --compiled` on a
-# v5e-1). On a CPU, the twin's step is bound by Python and dispatch, so the ratio shows the calls
+# Whether that is faster depends on what a call costs against one step: the verify of K+1 tokens
+# and the K drafts (the next section computes it for a v5e-1). On a CPU, the twin's step is bound by Python and dispatch, so the ratio shows the calls
 # saved. At E2B's size on a CPU (the course's `benchmarks/draft_full_size-cpu-*.txt`, a 2-core
 # CPU, compiled): with bf16 linears on a CPU without bf16 instructions a verify of 5 tokens cost
 # 3.7 steps, its matmuls bound by compute, and drafting would run at 0.74x HF's compiled
@@ -509,6 +517,34 @@ ax.legend()
 # (1.30x the one-token step). `bytes_per_token` is this notebook's
 # roofline figure: what a call reads (the target's step once, the assistant K times) over the tokens
 # it made.
+#
+# ## What a call costs on a v5e-1: a hypothesis, from the configuration
+# A call is the verify of K+1 tokens and K assistant passes, so it costs more than one step. On a
+# v5e-1 a step is bound by the bytes it reads. The verify reads those bytes once, for K+1 rows
+# whose arithmetic stays far below the
+# [ridge point](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ridge-point).
+# Each draft reads the assistant's weights (of its ordered head, only the top centroids' rows)
+# and the target's K/V its layers share. Below,
+# each part's bytes at 819 GB/s plus its FLOPs at the bf16 peak, from E2B's configuration and the
+# synthetic assistant's (Google's own is not in this course's sources; its widths are E2B's).
+# No TPU ran this. The measurement that would test it: `benchmarks/draft_full_size.py --backend
+# tpu --compiled` on a v5e-1, its verify and draft rows against its one step.
+
+# %%
+call = helpers.course.e2b.call_figures(k=4, tokens_per_verify=3.21)
+vllm = helpers.course.sources.VLLM_E2B_TOK_S
+print(
+    f"E2B on a v5e-1, K = 4: a step {call['step_ms']:.2f} ms; a verify of 5 {call['verify_steps']:.3f} steps, 4 drafts"
+    f" {call['drafts_steps']:.3f}: a call costs {call['call_steps']:.2f} steps. At 3.21 tokens per verify that is"
+    f" {call['x_one_token']:.2f}x the one-token step; vLLM measured {vllm['bf16 + assistant'] / vllm['bf16']:.2f}x"
+    f" ({vllm['bf16 + assistant']} against {vllm['bf16']} tok/s, bf16)"
+)
+assert 1.2 < call["call_steps"] < 1.4
+
+# %% [markdown]
+# **What you should see:** a call at about 1.3 steps: the verify about 1.02, the drafts about
+# 0.28. The verify alone would promise 3.2x; the drafts bring it to about 2.5x, near what vLLM
+# measured on the real pair.
 #
 # ## Sampling: the target's distribution, kept
 # **What we test:** speculative sampling with notebook 08's sampler (its warpers, its
@@ -577,7 +613,7 @@ class SpeculativeRingDecoder(Speculative, DraftRingDecoder):
 # %%
 settings = helpers.sampling.sampling_config(top_k=3)  # a few tokens per position: 400 draws resolve them
 sampled = SpeculativeDecoder(model, assistant, backend, MAX_LEN, 2, sampling=settings)
-sampled.prefill_step, sampled.draft_step, sampled.verify_step = sampled._prefill, sampled.draft, sampled.verify
+sampled.prefill_step, sampled.call_step = sampled._prefill, sampled.verify_and_draft
 warp = sampled.sampler.scores
 with torch.no_grad():
     p1 = warp(model(ids).logits[:, -1]).softmax(-1)[0]
@@ -618,8 +654,11 @@ fig, axes = plt.subplots(2, 1, figsize=(9, 2.8))
 for ax, spare in zip(axes, (0, k)):
     ring = DraftRingDecoder(model, assistant, backend, MAX_LEN, k)
     ring.spare, ring.cache = spare, helpers.ring.RingCache(model, MAX_LEN, ring.chunk_size, spare)
-    ring.draft_step = lambda token, hidden, position: (torch.full((1, k), vocab - 1, device=token.device), None)
-    ring.prefill_step, ring.verify_step = ring._prefill, ring.verify  # run as written: another ring, another compile
+    ring.draft = lambda token, hidden, position: (torch.full((1, k), vocab - 1, device=token.device), None)
+    ring.prefill_step, ring.call_step = (
+        ring._prefill,
+        ring.verify_and_draft,
+    )  # as written: another ring, another compile
     token, start = ring.prefill(prompt)
     _, _, position = ring.call(token, start)
     q, held = int(position), ring.cache.slot_positions.tolist()
@@ -690,6 +729,6 @@ print("same tokens:", series.same_tokens(tokens), "| tokens per verify:", decode
 # draft i is kept only if drafts 1..i-1 were, so each extra draft adds less than the one before.
 for k in (1, 2, 4, 6):
     decoder = DraftDecoder(model, assistant, backend, MAX_LEN, k)
-    decoder.prefill_step, decoder.draft_step, decoder.verify_step = decoder._prefill, decoder.draft, decoder.verify
+    decoder.prefill_step, decoder.call_step = decoder._prefill, decoder.verify_and_draft
     decoder.generate(ids, series.new_tokens, stop_ids=())  # run as written, uncompiled: a compile per K otherwise
     print(f"K = {k}: {decoder.tokens_per_verify():.2f} tokens per verify")

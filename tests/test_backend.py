@@ -208,3 +208,42 @@ def test_the_int4_kernel_is_torchs_where_it_has_one(monkeypatch):
     for capability, expected in (((7, 5), None), ((8, 0), "cuda"), ((8, 9), "cuda")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert kernel("cuda") == expected, capability
+
+
+def test_torchtpus_eager_mode_as_0_2_0_scopes_it_and_as_an_earlier_setter_it_is_put_back(monkeypatch):
+    """Read in TorchTPU's sources: 0.2.0's ``set_eager_mode`` is a context manager, an earlier one a setter with
+    ``get_eager_mode`` beside it. No TPU here: a stand-in ``torch.tpu`` of each kind (``raising=False``: torch has none)."""
+    import contextlib
+    import types
+
+    from helpers.backend import Backend
+
+    def backend():
+        made = object.__new__(Backend)
+        made.name = "tpu"
+        return made
+
+    seen = []
+    modes = types.SimpleNamespace(DEFER_AND_FUSE="fuse", DEFER_NEVER="never")
+
+    @contextlib.contextmanager
+    def scoped(mode):
+        seen.append(("enter", mode))
+        yield
+        seen.append(("exit", mode))
+
+    monkeypatch.setattr(torch, "tpu", types.SimpleNamespace(EagerMode=modes, set_eager_mode=scoped), raising=False)
+    with backend().mode("defer_and_fuse"):
+        seen.append("block")
+    assert seen == [("enter", "fuse"), "block", ("exit", "fuse")]
+
+    current = ["never"]
+    setter = types.SimpleNamespace(
+        EagerMode=modes, get_eager_mode=lambda: current[0], set_eager_mode=lambda mode: current.__setitem__(0, mode)
+    )
+    monkeypatch.setattr(torch, "tpu", setter, raising=False)
+    monkeypatch.setattr("importlib.metadata.version", lambda name: "0.1.1")
+    with pytest.warns(UserWarning, match="torch_tpu 0.1.1: set_eager_mode is a setter there"):
+        with backend().mode("defer_and_fuse"):
+            assert current == ["fuse"]
+    assert current == ["never"]

@@ -55,6 +55,36 @@ def test_a_prefill_runs_the_layers_that_keep_no_kv_and_the_head_on_its_last_real
         assert sum(inside for _, inside in rows) == 1 + config.num_kv_shared_layers * 7  # q, o, 3 MLP, 2 per-layer
 
 
+def test_prompts_of_five_lengths_in_one_bucket_run_the_programs_the_first_compiled(setup):
+    """Notebook 04's bucket and notebook 06's chunks: each padded prompt and its lengths made on the host and copied, so
+    a new prompt length compiles nothing, eager programs included (counted by the backend: XLA's compile counters)."""
+    from helpers import ring
+
+    backend, model, _, ids, _, decoder, _, _ = setup
+    bucket = decoder.bucket(ids.shape[1])
+    lengths = range(bucket // 2 + 1, bucket // 2 + 7)  # one bucket, and two of the ring's chunks, for all six
+    long = ids.repeat(1, 4)
+    for each in (decoder, ring.RingDecoder(model, backend, max_len=128)):
+        each.generate(long[:, : lengths[0]], 3, stop_ids=())  # compiles its programs, eager ones included
+        with backend.compile_counter() as count:
+            for n in lengths[1:]:
+                each.generate(long[:, :n], 3, stop_ids=())
+        assert count.graphs == 0 and count.programs in (None, 0), (type(each).__name__, count)
+
+
+def test_the_passes_a_step_makes_over_its_cache_from_two_cache_lengths(setup):
+    """Notebook 04's test of the hypothesis for a TPU, run here for its arithmetic (a CPU's times are noise at the
+    twin's size): the step at two cache lengths, the extra cache bytes those lengths hold."""
+    backend, model, _, ids, _, _, _, _ = setup
+    passes = measure.cache_passes(model, ids, backend, (64, 256), repeats=2)
+    assert passes["cache_bytes"][1] == 4 * passes["cache_bytes"][0] and len(passes["step_s"]) == 2
+    assert passes["passes"] == pytest.approx(
+        (passes["step_s"][1] - passes["step_s"][0])
+        * measure.read_bandwidth(backend)[0]
+        / (passes["cache_bytes"][1] - passes["cache_bytes"][0])
+    )
+
+
 def test_stripping_leaves_nothing_of_compressed_tensors_and_the_same_outputs(backend):
     checkpoint = hub.choose_checkpoint(backend)
     if not verdict.unpack_is_exact(backend.device):

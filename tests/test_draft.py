@@ -1,6 +1,6 @@
 """Draft and verify (notebook 09): the target's greedy tokens for K = 1..6, every draft kept or none, a stop inside
-the drafts, a prompt several windows long on a ring with K more spare slots, HF's assisted generate, one draft graph and
-one verify graph per K."""
+the drafts, a prompt several windows long on a ring with K more spare slots, HF's assisted generate, one call graph (a
+verify, then the next drafts) per K besides the prefill."""
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ def eager(decoder):
     """The decoder's steps run as written, uncompiled: the same code, without a compile per K on 2 cores."""
     decoder.prefill_step, decoder.decode_step = decoder._prefill, decoder.step
     if isinstance(decoder, draft.Drafted):
-        decoder.draft_step, decoder.verify_step = decoder.draft, decoder.verify
+        decoder.call_step = decoder.verify_and_draft
     return decoder
 
 
@@ -116,7 +116,7 @@ def test_a_ring_of_window_slots_loses_a_position_the_next_query_sees(setup):
         decoder = eager(draft.DraftRingDecoder(model, assistant, backend, MAX_LEN, k))
         decoder.spare = spare
         decoder.cache = decoder.new_cache(model, MAX_LEN)
-        decoder.draft_step = lambda token, hidden, position: (rejected, None)
+        decoder.draft = lambda token, hidden, position: (rejected, None)
         token, start = decoder.prefill(prompt)
         _, _, position = decoder.call(token, start)
         q = int(position)  # the next query: it sees positions q - window + 1 .. q - 1 in the ring
@@ -181,11 +181,13 @@ def test_the_assistants_attention_is_grouped_and_gives_hfs_output(setup):
     decoder = eager(draft.DraftDecoder(model, assistant, backend, MAX_LEN, 3))
     token, position = decoder.prefill(ids)
     embedding = model.get_input_embeddings()(token)
+    with torch.no_grad():
+        hidden = model.model(ids, use_cache=False).last_hidden_state[:, -1:]  # what the prefill drafted from
     outputs = []
     for helper in (assistant, hfs):
         decoder.assistant = helper
         shared_kv, masks = decoder.shared(position)
-        outputs.append(draft.assist(helper, embedding, decoder.hidden, position, shared_kv, masks))
+        outputs.append(draft.assist(helper, embedding, hidden, position, shared_kv, masks))
     for grouped, repeated in zip(*outputs):
         torch.testing.assert_close(grouped, repeated)
 
@@ -225,7 +227,7 @@ def test_refusals(setup):
 
 
 @pytest.mark.parametrize("kind", [draft.DraftDecoder, draft.DraftRingDecoder], ids=lambda kind: kind.__name__)
-def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup, kind):
+def test_a_call_is_one_compiled_graph_besides_the_prefill(backend, setup, kind):
     checkpoint, model, _, ids = series.load_for_series(backend)  # on this run's backend (xla in CI's xla job)
     with torch.no_grad():
         model(ids)
@@ -238,7 +240,7 @@ def test_one_draft_graph_and_one_verify_graph_compiled(backend, setup, kind):
         tokens = decoder.generate(ids, 16)
     with backend.compile_counter() as again:
         assert decoder.generate(ids, 16) == tokens  # equal lists: the same programs on the same inputs
-    assert (count.graphs, again.graphs) == (3, 0)  # the prefill chunk, the draft, the verify; none per token
+    assert (count.graphs, again.graphs) == (2, 0)  # the prefill chunk (it drafts), a call (verify, draft); none a token
     result, _ = judged(tokens, setup, ids.cpu(), 16)
     assert result, result
 

@@ -50,6 +50,23 @@ def test_the_step_and_the_prefill_write_every_cache_buffer_in_place(xla_series, 
 
 
 @needs_xla
+@pytest.mark.parametrize("decoder_class", [decode.Decoder, RingDecoder])
+def test_prompts_of_five_lengths_in_one_bucket_compile_no_program_the_first_did_not(xla_series, decoder_class):
+    """Each padded prompt (or chunk) and its lengths are made on the host and copied: a device op on a Python length
+    would be a new program per prompt length, eager ones included, which XLA's own counters count."""
+    backend = helpers.get_backend()
+    decoder = decoder_class(xla_series.model, backend, max_len=64)
+    long = xla_series.ids.repeat(1, 4)
+    half = decode.cache_length(xla_series.ids.shape[1]) // 2
+    lengths = range(half + 1, half + 7)  # one bucket, and as many of the ring's chunks, for all six
+    decoder.generate(long[:, : lengths[0]], 3, stop_ids=())
+    with backend.compile_counter() as count:
+        for n in lengths[1:]:
+            decoder.generate(long[:, :n], 3, stop_ids=())
+    assert count.graphs == 0 and count.programs == 0, count
+
+
+@needs_xla
 def test_no_64_bit_integer_work_over_a_table_row_or_the_vocabulary(xla_series):
     """The 4-bit table's unpack in int32 (the noise's is checked op by op in test_sampling): what
     64-bit integer work is left has no dimension as long as a row of packed table words. What

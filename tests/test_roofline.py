@@ -242,3 +242,14 @@ def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():
         linear.weight[0, 0] += 1e-3
     with pytest.raises(ValueError, match="1 groups of this linear's weight are on no 4-bit grid"):
         qlinear.QLinear.from_linear(linear, "int4-bytes")
+
+
+def test_a_calls_cost_on_a_v5e_is_its_verify_and_its_drafts_and_grows_with_k():
+    """Notebook 09's headline, from the configuration: a verify of K+1 rows reads the step's bytes once (its arithmetic
+    adds a little), each draft the assistant's weights; at K = 4 about 1.3 steps (vLLM measured 346 / 144 = 2.4x)."""
+    call = e2b.call_figures(k=4)
+    assert 1.0 < call["verify_steps"] < 1.05 and 0.2 < call["drafts_steps"] < 0.35
+    assert call["call_steps"] == pytest.approx(call["verify_steps"] + call["drafts_steps"])
+    assert call["x_one_token"] == pytest.approx(3.21 / call["call_steps"])
+    costs = [e2b.call_figures(k=k)["call_steps"] for k in (1, 2, 4, 6)]
+    assert costs == sorted(costs) and costs[0] > 1

@@ -11,6 +11,7 @@ import torch
 from ..backend import V5E_BYTES_PER_S
 from ..decode import READBACK_EVERY
 from ..packed import GROUP_SIZE, table_row_words
+from . import sources
 
 # The source study's ring cache held 131,328 positions: the course's long-context figures use it.
 CONTEXT = 131_328
@@ -124,6 +125,68 @@ def prefill_flops(config, chunk: int) -> dict[str, float]:
         "every row": own + shared + head,
         "head on one row": own + shared + head / chunk,
         "cut": own + (shared + head) / chunk,
+    }
+
+
+# Google's assistant's configuration is not in this repository's sources: E2B's widths, four layers (three sliding,
+# one full, all reading the target's K/V) and transformers' defaults for the ordered head (2,048 centroids, top 32).
+ASSISTANT_LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
+
+
+def assistant_config():
+    """The synthetic assistant's configuration: E2B's widths, ``ASSISTANT_LAYERS``, an ordered head."""
+    from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+
+    facts = json.loads(E2B_CONFIG.read_text())  # the checkpoint's widths (its config object hides some)
+    widths = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
+    text = Gemma4TextConfig(
+        **{k: facts[k] for k in (*widths, "head_dim", "global_head_dim", "sliding_window")},
+        num_hidden_layers=len(ASSISTANT_LAYERS),
+        layer_types=ASSISTANT_LAYERS,
+        num_kv_shared_layers=len(ASSISTANT_LAYERS),
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        use_double_wide_mlp=False,
+    )
+    return Gemma4AssistantConfig(
+        text_config=text, backbone_hidden_size=facts["hidden_size"], use_ordered_embeddings=True
+    )
+
+
+def call_figures(k: int = 4, tokens_per_verify: float = 3.21, context: int = 256) -> dict:
+    """What one call of notebook 09 costs on a v5e-1, in decode steps, from E2B's configuration and the synthetic
+    assistant's (a hypothesis: no TPU ran it): each part's bytes at 819 GB/s plus its FLOPs at the bf16 peak. The
+    verify reads the bf16 step's bytes once for K+1 rows; each of the K drafts reads the assistant's weights (of its
+    ordered head, the top centroids' rows) and the target K/V of its layers."""
+    from transformers import Gemma4AssistantForCausalLM
+
+    step = next(r for r in step_figures(context) if r["step"] == "04 compiled decode")
+
+    def seconds(read: float, flops: float) -> float:
+        return read / V5E_BYTES_PER_S + flops / sources.V5E_BF16_FLOPS
+
+    config = assistant_config()
+    with torch.device("meta"):
+        assistant = Gemma4AssistantForCausalLM(config)
+    text, ordered = config.get_text_config(), assistant.masked_embedding
+    head = assistant.lm_head.weight
+    skipped = head.shape[0] - ordered.centroid_intermediate_top_k * (head.shape[0] // ordered.num_centroids)
+    params = sum(p.numel() for p in assistant.parameters()) - skipped * head.shape[1]
+    real = real_config().get_text_config()
+    owner = {kind: i for i, (mode, kind) in enumerate(zip(real.kv_sharing_modes, real.layer_types)) if mode != "reuse"}
+    layers = [real.per_layer_config[owner[kind]] for kind in text.layer_types]  # whose K/V each assistant layer reads
+    kv = sum(2 * layer.num_key_value_heads * layer.head_dim * context * 2 for layer in layers)  # K and V in bf16
+    one_step = seconds(step["bytes_per_token"], step["flops_per_token"])
+    verify = seconds(step["bytes_per_token"], (k + 1) * step["flops_per_token"]) / one_step
+    draft = k * seconds(params * 2 + kv, 2 * params) / one_step
+    return {
+        "K": k,
+        "step_ms": one_step * 1e3,
+        "verify_steps": verify,
+        "drafts_steps": draft,
+        "call_steps": verify + draft,
+        "tokens_per_verify": tokens_per_verify,
+        "x_one_token": tokens_per_verify / (verify + draft),
     }
 
 

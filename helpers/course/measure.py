@@ -349,3 +349,22 @@ def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
         return backend.published_bandwidth
     best, spread = _probe(backend.name, str(backend.device), megabytes)
     return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
+
+
+def cache_passes(model, ids, backend: Backend, lengths: tuple[int, int], repeats: int = 16) -> dict:
+    """How many passes over its cache a decode step makes, from its time at one context with static caches of two
+    ``lengths``: the extra seconds times the read bandwidth over the extra cache bytes. About 1 where the step reads its
+    cache and writes one position in place; 3 or more where each call's cache comes back as a new buffer copied into
+    the old one (a read, a write and a copy's read and write)."""
+    seconds, held = [], []
+    for max_len in lengths:
+        decoder = Decoder(model, backend, max_len)
+        decoder.generate(ids, 2, stop_ids=())  # compiled here, not in the timing
+        with torch.no_grad():
+            start = decoder.prefill(ids)
+            seconds.append(time_fed(decoder.decode_step, start, sync=backend.sync, repeats=repeats).median)
+        held.append(cache_bytes(decoder.cache))
+        del decoder
+    bandwidth, how = read_bandwidth(backend)
+    passes = (seconds[1] - seconds[0]) * bandwidth / (held[1] - held[0])
+    return {"lengths": lengths, "step_s": seconds, "cache_bytes": held, "passes": passes, "bandwidth": how}

@@ -214,33 +214,16 @@ def build_synthetic_e2b(folder: str | os.PathLike | None = None, seed: int = 0, 
     return folder
 
 
-# Google's assistant's configuration is not in this repository's sources: E2B's widths, four layers (three sliding,
-# one full, all reading the target's K/V) and transformers' defaults for the ordered head (2,048 centroids, top 32).
-ASSISTANT_LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
-
-
 def build_synthetic_assistant(target: str | os.PathLike, seed: int = 0) -> pathlib.Path:
     """A random ``Gemma4AssistantForCausalLM`` in bf16 at E2B's widths beside the synthetic checkpoint ``target``."""
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig, GenerationConfig
+    from transformers import Gemma4AssistantForCausalLM, GenerationConfig
 
     target = pathlib.Path(target)
     folder = target.parent / f"{target.name}-assistant-seed{seed}"
     with building(folder) as done:
         if not done:
-            facts = json.loads(e2b.E2B_CONFIG.read_text())  # the checkpoint's widths (its config object hides some)
-            widths = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads")
-            text = Gemma4TextConfig(
-                **{k: facts[k] for k in (*widths, "head_dim", "global_head_dim", "sliding_window")},
-                num_hidden_layers=len(ASSISTANT_LAYERS),
-                layer_types=ASSISTANT_LAYERS,
-                num_kv_shared_layers=len(ASSISTANT_LAYERS),
-                hidden_size_per_layer_input=0,
-                vocab_size_per_layer_input=0,
-                use_double_wide_mlp=False,
-            )
-            config = Gemma4AssistantConfig(
-                text_config=text, backbone_hidden_size=facts["hidden_size"], use_ordered_embeddings=True
-            )
+            config = e2b.assistant_config()
+            text = config.get_text_config()
             torch.manual_seed(seed)
             assistant = Gemma4AssistantForCausalLM(config).to(torch.bfloat16)
             assistant.masked_embedding.token_ordering.copy_(torch.randperm(text.vocab_size))
