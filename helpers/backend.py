@@ -209,10 +209,11 @@ class Backend:
         return not self.lazy
 
     @property
-    def donates_a_ring_verify(self) -> bool:
-        """Whether notebook 09's verify on the ring may donate its K/V: not on xla, where torch_xla 2.9's dynamo bridge
-        then fails it (an IndexError in its output deduper, then "Executable expected parameter 0 of size 8"), so the
-        verify there copies them."""
+    def donates_in_a_drafting_call(self) -> bool:
+        """Whether notebook 09's call (a verify, then the next drafts) may donate its K/V: not on xla, where torch_xla
+        2.9's dynamo bridge then fails it (on the ring, an IndexError in its output deduper, then "Executable expected
+        parameter 0 of size 8"; on the static cache, "buffer ... is deleted" as the drafts read it), so the call there
+        copies them."""
         return not self.lazy
 
     @property

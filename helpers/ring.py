@@ -270,7 +270,7 @@ class RingDecoder(Decoder):
                 f"and this ring keeps {self.spare} spare slots (read back at most every {self.readback_every} "
                 "tokens, or make the decoder with a larger readback_every)"
             )
-        self.rewind(torch.tensor(start, device=self.cache.slot_positions.device))
+        self.rewind(torch.tensor(start).to(self.cache.slot_positions.device))
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor, start: int = 0):
@@ -291,6 +291,6 @@ class RingDecoder(Decoder):
         for first, positions, valid in self.chunks(length, ids.device, start):
             tokens = torch.zeros(1, self.chunk_size, dtype=ids.dtype)
             tokens[:, : min(self.chunk_size, length - first)] = host[:, first : first + self.chunk_size]
-            last = torch.tensor([min(length - 1 - first, self.chunk_size - 1)], device=ids.device)
+            last = torch.tensor([min(length - 1 - first, self.chunk_size - 1)]).to(ids.device)
             token = self.prefill_step(tokens.to(ids.device), positions, valid, last)
-        return token, torch.tensor([[start + length]], device=ids.device)
+        return token, torch.tensor([[start + length]]).to(ids.device)

@@ -263,9 +263,10 @@ class Decoder:
         # built on the host, then copied: a TPU compiles an eager op per shape (deferred, per scalar value too)
         padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype)
         padded[:, :length] = ids.cpu()
-        zero, last, end = (torch.tensor(n, device=ids.device) for n in (0, length - 1, length))
+        lengths = torch.tensor([0, length - 1, length]).to(ids.device)  # data copied, not a constant per length
+        zero, last, end = lengths[0], lengths[1:2], lengths[2]
         set_length(self.cache, zero)
-        token = self.prefill_step(padded.to(ids.device), last.view(1))
+        token = self.prefill_step(padded.to(ids.device), last)
         set_length(self.cache, end)
         return token, end.view(1, 1)
 
@@ -296,7 +297,7 @@ class Decoder:
         """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
         every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
         self.check_room(ids.shape[1], new_tokens, start)
-        stops = self.stops(ids[0].tolist(), stop_ids)
+        stops = self.stops(ids.cpu()[0].tolist(), stop_ids)  # a copy, not a device op per prompt length
         if streamer is not None:
             streamer.put(ids.cpu())
         token, position = self.prefill(ids, start)

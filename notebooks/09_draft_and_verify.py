@@ -303,8 +303,9 @@ class Drafted:
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def donate(self) -> None:
-        """A verify's K/V, written in place: reused, not copied (xla)."""
-        self.backend.donate(*kv_buffers(self.cache))
+        """A verify's K/V, written in place: reused, not copied (where the backend's bridge allows it in this call)."""
+        if self.backend.donates_in_a_drafting_call:
+            self.backend.donate(*kv_buffers(self.cache))
 
     def rewind(self, length) -> None:
         """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
@@ -376,7 +377,7 @@ class Drafted:
         """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been
         made, or the length may have been reached."""
         self.check_room(ids.shape[1], new_tokens, start)
-        stops = self.stops(ids[0].tolist(), stop_ids)
+        stops = self.stops(ids.cpu()[0].tolist(), stop_ids)  # a copy, not a device op per prompt length
         if streamer is not None:
             streamer.put(ids.cpu())
         token, position = self.prefill(ids, start)
@@ -423,10 +424,6 @@ class DraftRingDecoder(Drafted, RingDecoder):
     def target(self, tokens, positions, rows=0, valid=None):
         valid = torch.ones(tokens.shape[1], dtype=torch.bool, device=tokens.device) if valid is None else valid
         return self.forward_chunk(tokens, positions, valid, self.model.model, rows)
-
-    def donate(self) -> None:
-        if self.backend.donates_a_ring_verify:
-            super().donate()
 
     rewind = RingDecoder.rewind  # not Drafted's, the static cache's
 
@@ -503,7 +500,7 @@ ax.legend()
 
 # %% [markdown]
 # **What you should see:** the same tokens on both caches, 2 graphs then 0 (on PyTorch/XLA 2.9
-# the ring's verify copies its K/V instead of reusing them: its dynamo bridge fails the verify
+# a call copies its K/V instead of reusing them, on both caches: its dynamo bridge fails the call
 # with them [donated](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated)),
 # and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
 # Whether that is faster depends on what a call costs against one step: the verify of K+1 tokens
