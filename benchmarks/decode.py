@@ -93,11 +93,11 @@ decoders = {
     "(c) compiled step, K=1": d.Decoder(model, backend, max_len),
     f"(d) compiled, K={k}": roofline.KDecoder(model, backend, max_len, k),
     f"(e) matvec loops, K={k}": roofline.KDecoder(model, backend, max_len, k, **loops_options),
-    f"(f) int4 codes a byte each, loops, K={k}": d.Decoder(
+    f"(f) int4 codes a byte each, loops, K={k}": roofline.KDecoder(
         compressed("int4-bytes"), backend, max_len, k, **loops_options
     ),
-    f"(g) int4 linears, loops, K={k}": d.Decoder(compressed("int4"), backend, max_len, k, **loops_options),
-    f"(h) fused q/k/v, gate/up, loops, K={k}": d.Decoder(fused_copy(), backend, max_len, k, **loops_options),
+    f"(g) int4 linears, loops, K={k}": roofline.KDecoder(compressed("int4"), backend, max_len, k, **loops_options),
+    f"(h) fused q/k/v, gate/up, loops, K={k}": roofline.KDecoder(fused_copy(), backend, max_len, k, **loops_options),
 }
 loops = {  # HF's recipe: static cache, forward compiled
     "(a) HF generate, default": hf,
