@@ -35,7 +35,7 @@ def test_the_tour_runs_every_notebook_in_order_and_collects_their_rows(tmp_path,
     assert all(r["tok_s_spread"] >= 1 for r in rows[4:])  # fastest / slowest timed run, flagged when large
     assert all(r["bytes_per_token"] > 0 and r["pct_of_bw"] > 0 for r in rows[4:])  # the roofline on every row
     assert all(r["same_tokens"] and r["compiles"] == 2 and r["first_call_s"] > 0 for r in rows[5:8] + variants)
-    assert all(r["same_tokens"] and r["compiles"] == 3 and r["tokens_per_verify"] > 1 for r in drafted)
+    assert all(r["same_tokens"] and r["compiles"] == 2 and r["tokens_per_verify"] > 1 for r in drafted)  # prefill, call
     assert len(variants) == 7 and sum(r["label"].endswith("matvec loops") for r in variants) == 5
     assert rows[7]["source_tok_s"] == 38
     for name in [p.name for p in tour.notebooks()]:  # each saved with its outputs, none of them an error
