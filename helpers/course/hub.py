@@ -92,7 +92,9 @@ class Checkpoint:
     def __str__(self) -> str:
         rev = f" @ {self.revision}" if self.revision else ""
         kind = "tiny offline twin" if self.tiny else "synthetic checkpoint" if self.synthetic else "real checkpoint"
-        return f"{kind}: {self.source}{rev} ({self.reason})"
+        home = str(pathlib.Path.home())  # no machine's paths in what is printed and committed
+        source = "~" + str(self.source)[len(home) :] if str(self.source).startswith(home + "/") else self.source
+        return f"{kind}: {source}{rev} ({self.reason})"
 
 
 # --- the dtype and the config ----------------------------------------------------------------
