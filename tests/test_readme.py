@@ -1,4 +1,4 @@
-"""The README's module map matches the package: every module listed once, in an order where
+"""The module map (docs/modules.md) matches the package: every module listed once, in an order where
 each imports only modules above it, with the helpers modules it really imports (read from the
 source); no helpers import inside a function, no cycle among the top-level imports."""
 
@@ -36,7 +36,7 @@ def _imports(module: str) -> set[str]:
 
 
 def _module_map() -> dict[str, set[str]]:
-    section = (ROOT / "README.md").read_text().split("## Module map", 1)[1]
+    section = (ROOT / "docs" / "modules.md").read_text()
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -50,7 +50,7 @@ def test_the_module_map_lists_every_module_with_its_imports_each_from_above():
     rows = _module_map()
     assert set(rows) == MODULES
     above = set()
-    for module, listed in rows.items():  # in the README's order: the layers, top to bottom
+    for module, listed in rows.items():  # in the map's order: the layers, top to bottom
         assert _imports(module) == listed, module
         assert listed <= above, f"{module} imports {sorted(listed - above)}, listed below it"
         above.add(module)
@@ -58,7 +58,7 @@ def test_the_module_map_lists_every_module_with_its_imports_each_from_above():
 
 def test_a_lesson_imports_only_lessons_of_its_notebook_or_earlier_ones():
     """A reader at notebook N needs only what notebooks 01..N opened: read from the map's "opened in" column."""
-    section = (ROOT / "README.md").read_text().split("### The lessons", 1)[1].split("###", 1)[0]
+    section = (ROOT / "docs" / "modules.md").read_text().split("## The lessons", 1)[1].split("\n## ", 1)[0]
     opened = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -111,3 +111,14 @@ def test_the_checks_catch_an_inner_import_and_a_cycle(tmp_path, monkeypatch):
     (tmp_path / "helpers" / "b.py").write_text("from .a import y\n")
     with pytest.raises(AssertionError, match="import cycle: a -> b -> a"):
         test_no_helpers_import_inside_a_function_and_no_cycle()
+
+
+def test_the_readme_is_a_front_page_and_its_links_and_the_docs_lead_somewhere():
+    """At most 150 lines: the two commands, the notebooks, where they run, what each step shows; details in docs/."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 150
+    for page in ("full-size", "xla-programs", "modules", "browser-chat", "glossary"):
+        assert f"](docs/{page}.md)" in text, page
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for link in re.findall(r"\]\(([\w./-]+\.(?:md|ipynb|py))\)", page.read_text()):
+            assert (page.parent / link).exists(), f"{page.name}: {link}"
