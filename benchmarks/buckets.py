@@ -35,7 +35,7 @@ from helpers.course.results import run_dir  # noqa: E402
 from helpers.course.series import load_for_series  # noqa: E402
 from helpers.course.synthetic import SYNTHETIC  # noqa: E402
 from helpers.course.tables import fmt_bytes, table
-from helpers.course.timing import time_fed
+from helpers.timing import time_fed
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 
@@ -72,7 +72,7 @@ def sweep(buckets: tuple) -> tuple[dict, int]:
     ring = RingDecoder(model, backend, max_len=max_len, buckets=buckets)
     chunk = torch.randint(3, vocab, (1, ring.chunk_size), generator=torch.Generator().manual_seed(0))
     chunk, found = chunk.to(backend.device), {}
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with backend.compile_counter() as count:
         for context in args.contexts:
             start = time.perf_counter()
@@ -96,7 +96,7 @@ for name, buckets in (("one buffer", ()), ("buckets", tuple(args.buckets))):
     found, compiled[name] = sweep(buckets)
     for context, row in found.items():
         rows.setdefault(context, {})[name] = row
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 base = rows[args.contexts[0]]["one buffer"]
 t0 = 1 / base["tok_s"] - (weights + base["read"]) / bandwidth  # what a step costs besides its reads

@@ -33,7 +33,7 @@ from helpers.course import (
 )
 from helpers.course.measure import compiled_forward
 from helpers.course.tables import table
-from helpers.course.timing import time_fn
+from helpers.timing import time_fn
 from helpers.fused import fuse_projections
 from helpers.qlinear import QLinear
 

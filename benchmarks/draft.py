@@ -18,7 +18,7 @@ import helpers
 from helpers import decode, draft, generate, ring, roofline
 from helpers.course import hub, series
 from helpers.course.tables import table
-from helpers.course.timing import time_fn
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=96)

@@ -107,7 +107,7 @@ dense_linears = {n: m for n, m in model.model.named_modules() if isinstance(m, t
 if args.int4:
     print("the target's linears:", qlinear.keep_linears_compressed(model, source.path, "int4", backend.int4_kernel))
 decoder = draft.DraftDecoder(model, assistant, backend, 256, K)
-decoder.prefill_step = decoder._prefill  # the prefill is not timed: not compiled
+decoder.prefill_step = decoder.prefill_forward  # the prefill is not timed: not compiled
 parts = (decoder.step, decoder.verify, decoder.draft, decoder.verify_and_draft)  # a call's parts, and the call
 compile_ = (lambda fn: backend.compile(fn, fullgraph=True)) if args.compiled else (lambda fn: fn)
 step_fn, verify_fn, draft_fn, call_fn = (decoder.decode_step, *map(compile_, parts[1:])) if args.compiled else parts

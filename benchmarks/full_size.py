@@ -40,7 +40,7 @@ from helpers.course.results import Results, run_dir  # noqa: E402
 from helpers.course.series import Series, load_for_series, save_reference  # noqa: E402
 from helpers.course.synthetic import SYNTHETIC  # noqa: E402
 from helpers.course.tables import fmt_bytes, table
-from helpers.course.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
+from helpers.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 
@@ -161,14 +161,14 @@ hf_row = step.done(
     compiles=count.graphs,
     verdict=str(series.same_tokens(hf_compiled["tokens"])),
 )
-torch._dynamo.reset()
+torch.compiler.reset()
 
 max_len = decode.cache_length(ids.shape[1] + n)  # sized to the run, as notebook 04 sizes it
 step = Step(steps.COMPILED)
 decoder = decode.Decoder(model, backend, max_len)
 step.done(**compiled(step, steps.COMPILED, "compiled step", decoder, sources.COMPILED_STEP_TOK_S))
 del decoder
-torch._dynamo.reset()
+torch.compiler.reset()
 
 
 def ran(notebook: str) -> bool:
@@ -186,7 +186,7 @@ if ran("05"):
     decoder = decode.Decoder(model, backend, max_len)
     step.done(**compiled(step, steps.TABLE, "4-bit table", decoder, sources.TABLE_4BIT_TOK_S))
     del decoder
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 # --- 06: the ring at the source's context, a prefill of 4 windows, tok/s against context ------
@@ -238,7 +238,7 @@ elif ran("06"):
     fig.tight_layout()
     fig.savefig(folder / "decode_vs_context.png", dpi=120)
     del ring
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 # --- 07: past the source -----------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 
 from helpers import qtable
 from helpers.course import e2b
-from helpers.course.timing import time_fn
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--repeats", type=int, default=5)

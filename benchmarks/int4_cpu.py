@@ -23,7 +23,7 @@ from helpers.course import (
     measure,
 )
 from helpers.course.tables import table
-from helpers.course.timing import time_fn
+from helpers.timing import time_fn
 from helpers.packed import GROUP_SIZE
 from helpers.qlinear import QLinear
 

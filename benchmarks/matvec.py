@@ -18,7 +18,7 @@ from cpu_model import cpu_model
 import helpers
 from helpers.course import measure  # noqa: E402
 from helpers.course.tables import table
-from helpers.course.timing import time_fn
+from helpers.timing import time_fn
 from helpers.int4 import GROUP_SIZE, dequantize
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -53,7 +53,7 @@ for out_features, in_features in shapes:
     weights = [torch.randint(-8, 8, (out_features, in_features)).float() for _ in range(copies)]
     x = torch.randn(1, 1, in_features)
     for kind, (fn, held) in kernels.items():
-        torch._dynamo.reset()  # each shape its own compilations, not recompiles of the last one's
+        torch.compiler.reset()  # each shape its own compilations, not recompiles of the last one's
         stored = [held(w) for w in weights]
         # both keep eager's casts: without, inductor drops the dequantization's rounding to bf16
         compiled = {

@@ -28,7 +28,7 @@ from helpers import decode  # noqa: E402
 from helpers.course import e2b, hub, verdict  # noqa: E402
 from helpers.course.series import load_for_series  # noqa: E402
 from helpers.course.tables import table  # noqa: E402
-from helpers.course.timing import time_fn  # noqa: E402
+from helpers.timing import time_fn  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -44,7 +44,7 @@ class EveryRowRing(RingDecoder):
     """The ring's prefill as it was before the cut: every layer and the head on every row, the last real row's logits
     picked after the head."""
 
-    def _prefill(self, tokens, positions, valid, last):
+    def prefill_forward(self, tokens, positions, valid, last):
         self.backend.donate(*decode.kv_buffers(self.cache))
         logits = self.forward_chunk(tokens, positions, valid).logits[0].index_select(0, last)
         return self.pick(logits, positions[0].index_select(0, last) + 1)
@@ -90,7 +90,7 @@ for name, make in (("static, 04", static), ("ring, 06", ring)):
         print("attention:", group_query_heads(model), "->", model.config._attn_implementation, "(as notebook 06)")
     tokens = {}
     for cut in (False, True):
-        torch._dynamo.reset()
+        torch.compiler.reset()
         decoder, prompt, chunk, before = make(cut)  # a Decoder installs the cut
         if not cut:
             every_row(model)

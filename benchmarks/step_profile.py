@@ -76,7 +76,7 @@ with compiled_forward(model):
     with profile(activities=backend.profiler_activities) as hf_prof:
         streamer = hf_run()
     hf_seconds = streamer.step_seconds[1:]  # after the prefill's token
-torch._dynamo.reset()
+torch.compiler.reset()
 
 
 def our_run(decoder) -> list[float]:
@@ -96,7 +96,7 @@ report("HF generate, static cache, forward compiled", hf_prof, hf_seconds)
 print(f"HF's static cache holds {ids.shape[1] + tokens} positions: the prompt and the tokens asked for")
 # notebook 04's step with the cache it was measured with, then sized to the run as HF sizes its own
 for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens)):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = decode.Decoder(model, backend, max_len)
     start = time.perf_counter()
     decoder.generate(ids, 2)  # compiles the prefill bucket and the step
@@ -109,7 +109,7 @@ for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens))
 
 if args.rounds:
     # both compiled at once: HF's forward inside compiled_forward, notebook 04's step outside it
-    torch._dynamo.reset()
+    torch.compiler.reset()
     max_len = decode.cache_length(ids.shape[1] + tokens)
     decoder = decode.Decoder(model, backend, max_len)
     decoder.generate(ids, 2)

@@ -84,7 +84,7 @@ whole = f"{config.vocab_size},{config.hidden_size}"  # the main table's shape, a
 
 def audit(what: str, decoder) -> None:
     """Compile ``decoder``'s programs (a run of a few tokens) and add a row for each."""
-    torch._dynamo.reset()
+    torch.compiler.reset()
     shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
     start = time.perf_counter()
     with programs.captured(folder) as compiled:

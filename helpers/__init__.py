@@ -26,14 +26,25 @@ def show(*functions) -> None:
     print("\n".join(inspect.getsource(f) for f in functions))
 
 
+def add_to_class(cls):
+    """Add the decorated function to ``cls`` as a method (d2l's ``add_to_class``): a notebook writes a class over
+    several short cells, and its module holds the class whole."""
+
+    def add(function):  # a function, or a property (named by its getter)
+        setattr(cls, getattr(function, "fget", function).__name__, function)
+        return function
+
+    return add
+
+
 _EXPORTS = {
     "install_missing": "course.setup",
     "BackendError": "backend",
     "get_backend": "course.hub",
     "op_stack": "modes",
-    "compare_modes": "course.measure",
+    "compare_modes": "modes",
     "shape_demo": "modes",
-    "time_fn": "course.timing",
+    "time_fn": "timing",
     "Results": "course.results",
     "run_dir": "course.results",
     "choose_checkpoint": "course.hub",
@@ -58,6 +69,7 @@ _MODULES = {
     "ring",
     "roofline",
     "sampling",
+    "timing",
 }
 
 
@@ -69,4 +81,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(_EXPORTS.keys() | _MODULES | {"show", "tpu_chips", "tpu_scan"})
+__all__ = sorted(_EXPORTS.keys() | _MODULES | {"add_to_class", "show", "tpu_chips", "tpu_scan"})

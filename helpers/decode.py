@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import Cache, StaticLayer
 
@@ -141,7 +143,7 @@ class Decoder:
         skip_shared_layers(model)  # a prefill's rows past the last real one stop at the last layer that keeps K/V
         self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
-        self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
+        self.prefill_step = backend.compile(self.prefill_forward, fullgraph=True, **compile_options)
 
     def new_cache(self, model, max_len: int) -> Cache:
         return static_cache(model, max_len)
@@ -155,7 +157,7 @@ class Decoder:
         logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
         return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
 
-    def _prefill(self, tokens, last):
+    def prefill_forward(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         # layers 15-34 and the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
@@ -235,3 +237,29 @@ class Decoder:
             block, token, position = self.call(token, position)
             pending.append(block)
             made += block.shape[1]
+
+
+def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
+    """Graphs compiled per step over transformers' ``StaticCache`` (its sliding layers count tokens in
+    a Python int: each position is a new guard), and dynamo's error at its recompile limit."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
+
+    compiled = torch.compile(
+        functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True
+    )
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        position = torch.tensor([[ids.shape[1]]], device=ids.device)
+        counts = []
+        torch.compiler.reset()
+        for _ in range(steps):
+            try:
+                with backend.compile_counter() as count:
+                    token, position = compiled(token, position)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                return counts, str(err).splitlines()[0]
+            counts.append(count.graphs)
+    return counts, None

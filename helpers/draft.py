@@ -243,7 +243,7 @@ class Drafted:
 class DraftDecoder(Drafted, Decoder):
     """Notebook 04's decoder, drafting and verifying on its static cache."""
 
-    def _prefill(self, tokens, last):
+    def prefill_forward(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         hidden = self.target(tokens, positions, rows=last).last_hidden_state  # the last real row's alone
@@ -265,7 +265,7 @@ class DraftRingDecoder(Drafted, RingDecoder):
 
     rewind = RingDecoder.rewind  # not Drafted's, the static cache's
 
-    def _prefill(self, tokens, positions, valid, last):
+    def prefill_forward(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
         hidden = self.target(tokens, positions, last, valid).last_hidden_state
         at = positions[0].index_select(0, last) + 1

@@ -3,6 +3,8 @@ maximum context; masks from absolute positions; prompts in fixed chunks."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, StaticLayer
@@ -52,7 +54,7 @@ def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(
             "a RingCache needs each forward's absolute positions and the ring's masks, which transformers' "
             "generate does not give: call model.generate(..., cache=cache) inside "
-            "`with helpers.course.measure.inside_generate(model):`, or use helpers.ring.RingDecoder"
+            "`with helpers.ring.inside_generate(model):`, or use helpers.ring.RingDecoder"
         )
     return kwargs["ring_positions"], kwargs["ring_valid"]
 
@@ -244,7 +246,7 @@ class RingDecoder(Decoder):
         logits = self.forward_chunk(token, position, torch.ones(1, dtype=torch.bool, device=token.device)).logits
         return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
 
-    def _prefill(self, tokens, positions, valid, last):
+    def prefill_forward(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
         logits = self.forward_chunk(tokens, positions, valid, rows=last).logits[0]  # the last real row's alone
         return self.pick(logits, positions[0].index_select(0, last) + 1)
@@ -294,3 +296,43 @@ class RingDecoder(Decoder):
             last = torch.tensor([min(length - 1 - first, self.chunk_size - 1)]).to(ids.device)
             token = self.prefill_step(tokens.to(ids.device), positions, valid, last)
         return token, torch.tensor([[start + length]]).to(ids.device)
+
+
+@contextlib.contextmanager
+def inside_generate(model):
+    """Inside the block, transformers' own ``generate(..., cache=RingCache(...))`` runs on the ring: hooks give each
+    forward the ring's masks and positions, then commit the slots."""
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache")
+        if not isinstance(cache, RingCache) or "ring_positions" in kwargs:
+            return None
+        inputs = kwargs.get("input_ids")
+        length = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (torch.arange(length) + cache.get_seq_length()).to(cache.slot_positions.device)[None]
+        positions = position_ids[0]
+        if positions.shape[0] > cache.max_len:
+            raise ValueError(f"a {positions.shape[0]}-token forward exceeds the ring cache's {cache.max_len} positions")
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        cache.pending = positions, valid  # committed by the forward hook, after every layer has read the ring
+        kwargs |= {"position_ids": position_ids, "attention_mask": cache.masks(positions)}
+        return args, kwargs | {"ring_positions": positions, "ring_valid": valid}
+
+    def after(module, args, kwargs, output):
+        cache = kwargs.get("cache")
+        if isinstance(cache, RingCache) and getattr(cache, "pending", None) is not None:
+            cache.commit(*cache.pending)
+            cache.pending = None
+
+    text_model = model.get_decoder()
+    handles = [
+        text_model.register_forward_pre_hook(before, with_kwargs=True),
+        text_model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -97,7 +97,26 @@ print("modes here:", ", ".join(backend.modes))
 # keep a TPU busy on its own.
 
 # %%
-helpers.show(helpers.op_stack)
+# @save helpers.modes
+import torch
+
+from helpers.backend import Backend
+from helpers.timing import time_fn
+
+
+def op_stack(x: torch.Tensor, depth: int = 10) -> torch.Tensor:
+    """Small elementwise ops: one device program each in eager mode, one fused program deferred or compiled."""
+    for _ in range(depth):
+        x = torch.tanh(x * 1.1 + 0.1)
+    return x
+
+
+def op_input(backend: Backend, size: int) -> torch.Tensor:
+    x = torch.randn(size, size, generator=torch.Generator().manual_seed(0)).to(backend.device)
+    backend.flush()  # a lazy backend would otherwise fold the upload into the first timed call
+    backend.sync()
+    return x
+
 
 # %% [markdown]
 # ## Three modes, side by side
@@ -108,16 +127,48 @@ helpers.show(helpers.op_stack)
 # program cache, and a compiled call bypasses it (it runs its executable directly), so on
 # `tpu` only eager and defer-and-fuse are counted. That count has not been run on a real TPU
 # while this course was built: on a v5e-1, look for eager > 1 and defer-and-fuse = 1.
+#
+# Each mode timed the same way: the median of `repeats` calls after a warm-up, each ending on a read of its
+# result on the host (`helpers.timing.time_fn`: a device's synchronize alone may return early), and the device
+# programs one call launches, where the backend counts them.
+
 
 # %%
-import torch
+# @save helpers.modes
+def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: int = 20) -> list[dict]:
+    """Time ``op_stack`` in every mode the backend has: a row per mode with median/min/max ms, speed-up
+    over eager, and device programs per call (None where the backend cannot count that mode's)."""
+    x = op_input(backend, size)
+    rows = []
+    for mode in backend.modes:
+        fn = backend.in_mode(op_stack, mode)
+        timing = time_fn(fn, x, sync=backend.sync, warmup=warmup, repeats=repeats, desc=mode)
+        with backend.compile_counter() as count:
+            out = fn(x)
+        del out
+        executions = count.executions if backend.counts_executions(mode) else None
+        rows.append(
+            {
+                "mode": mode,
+                "median_ms": timing.median * 1e3,
+                "min_ms": timing.min * 1e3,
+                "max_ms": timing.max * 1e3,
+                "executions_per_call": executions,
+            }
+        )
+    eager_ms = rows[0]["median_ms"]
+    for row in rows:
+        row["speedup_vs_eager"] = eager_ms / row["median_ms"]
+    return rows
 
+
+# %%
 results = helpers.Results()
 rows = helpers.course.steps.record_modes(backend, results)
 print(helpers.course.tables.table(rows))
 
 x = torch.randn(256, 256).to(backend.device)
-outs = [backend.in_mode(helpers.op_stack, mode)(x).cpu() for mode in backend.modes]
+outs = [backend.in_mode(op_stack, mode)(x).cpu() for mode in backend.modes]
 # three programs round differently: compared within float32's default tolerance (rtol 1.3e-6, atol 1e-5)
 print("largest difference from eager:", max((out - outs[0]).abs().max().item() for out in outs))
 for out in outs[1:]:
@@ -145,7 +196,7 @@ fig = results.chart(
 
 # %%
 try:
-    backend.in_mode(helpers.op_stack, "defer_and_fuse")
+    backend.in_mode(op_stack, "defer_and_fuse")
     print("defer_and_fuse is available here")
 except helpers.BackendError as err:
     print(err)
@@ -201,8 +252,8 @@ print(
 # @title Solution 2 (open it after you predicted)
 # A second length marks the dimension dynamic: one graph for 64, one shape-generic graph for 96,
 # which 128 reuses. Dynamo's "eager" backend: when it recompiles does not depend on the compiler.
-torch._dynamo.reset()
-generic = torch.compile(helpers.op_stack, backend="eager", dynamic=None)
+torch.compiler.reset()
+generic = torch.compile(op_stack, backend="eager", dynamic=None)
 made = []
 for n in (64, 96, 128):
     with backend.compile_counter() as count:

@@ -140,6 +140,7 @@ assert by_name["embed_tokens_per_layer"]["bf16_bytes"] == 4_697_620_480
 assert by_name["embed_tokens_per_layer"]["int4_bytes"] == 1_321_205_760
 assert by_name["embed_tokens"]["bf16_bytes"] == 805_306_368 and by_name["embed_tokens"]["int4_bytes"] == 226_492_416
 assert "linears (276)" in by_name  # the checkpoint's 276 packed linears
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## Preflight: refuse what will not fit
@@ -160,6 +161,7 @@ try:
 except helpers.checkpoint.CheckpointError as err:
     print(err)
 print(table([{**o, "saves": fmt_bytes(o["saves"])} for o in helpers.course.e2b.fit_options(e2b)]))
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## Path 1: compressed-tensors' default
@@ -305,6 +307,7 @@ print(results.table(["step", "label", "backend", "load_s", "device_bytes"]))
 for dequantize in (True, False):
     needed = helpers.course.e2b.estimate_device_bytes(e2b, dequantize)
     print(f"E2B, dequantize={dequantize}: {fmt_bytes(needed)} ({needed / 2**30:.2f} GiB)")
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **2.** Which single way of holding less, from the table of fit options above, brings E2B's
@@ -317,3 +320,4 @@ needed = helpers.course.e2b.estimate_device_bytes(e2b, dequantize=False)
 for option in helpers.course.e2b.fit_options(e2b):
     left = needed - option["saves"]
     print(f"{option['option']}: {fmt_bytes(left)} ({'fits' if left <= 8e9 else 'does not fit'} in 8 GB)")
+# NBVAL_CHECK_OUTPUT

@@ -308,3 +308,4 @@ half = ops_e2b["compute"] / 2 * per_op + read_s
 print(
     f"{1 / half:.1f} tok/s, against the source's {helpers.course.sources.HF_GENERATE_TOK_S} (a prediction, not measured)"
 )
+# NBVAL_CHECK_OUTPUT

@@ -223,7 +223,7 @@ class Decoder:
         skip_shared_layers(model)  # a prefill's rows past the last real one stop at the last layer that keeps K/V
         self.cache = self.new_cache(model, max_len)
         self.decode_step = backend.compile(self.step, fullgraph=True, **compile_options)
-        self.prefill_step = backend.compile(self._prefill, fullgraph=True, **compile_options)
+        self.prefill_step = backend.compile(self.prefill_forward, fullgraph=True, **compile_options)
 
     def new_cache(self, model, max_len: int) -> Cache:
         return static_cache(model, max_len)
@@ -237,7 +237,7 @@ class Decoder:
         logits = self.model(input_ids=token, position_ids=position, cache=self.cache, use_cache=True).logits
         return self.pick(logits[:, -1], position.view(-1) + 1), position + 1
 
-    def _prefill(self, tokens, last):
+    def prefill_forward(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         # layers 15-34 and the head on the last real position only: a 4096-token bucket's logits would be 2.1 GB at E2B
@@ -246,77 +246,104 @@ class Decoder:
         ).logits
         return self.pick(logits[0], last + 1)  # the token after the last real one
 
-    def bucket(self, length: int) -> int:
-        """The padded prefill length: the smallest bucket that holds the prompt."""
-        size = cache_length(length)
-        if size in PREFILL_BUCKETS and size <= self.max_len:
-            return size
-        raise ValueError(f"a {length}-token prompt needs more than the cache's {self.max_len} positions")
 
-    @torch.no_grad()
-    def prefill(self, ids: torch.Tensor, start: int = 0):
-        """The prompt right-padded to its bucket (causal attention keeps padding out; the cache is rewound over it): the
-        first new token and its position."""
-        if start:
-            raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
-        length = ids.shape[1]
-        # built on the host, then copied: a TPU compiles an eager op per shape (deferred, per scalar value too)
-        padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype)
-        padded[:, :length] = ids.cpu()
-        lengths = torch.tensor([0, length - 1, length]).to(ids.device)  # data copied, not a constant per length
-        zero, last, end = lengths[0], lengths[1:2], lengths[2]
-        set_length(self.cache, zero)
-        token = self.prefill_step(padded.to(ids.device), last)
-        set_length(self.cache, end)
-        return token, end.view(1, 1)
+# %% [markdown]
+# The prompt: padded on the host to the smallest bucket that holds it, copied over with its lengths as data, so
+# prompts of any length in one bucket run one compiled prefill. The padding is written into the cache, then
+# forgotten: the cache's length is set back to the prompt's.
 
-    @torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
-    def call(self, token, position):
-        """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the last token and
-        position."""
-        token, position = self.decode_step(token, position)
-        return token, token, position
 
-    def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
-        """Refuse, with the numbers, a run the cache cannot hold."""
-        if start + length + new_tokens + extra > self.max_len:
-            held = f"{start} positions held + " if start else ""
-            more = f" (+ {extra}: the last call's)" if extra else ""
-            raise ValueError(
-                f"{held}prompt {length} + {new_tokens} new tokens{more} exceed the cache's {self.max_len} positions"
-            )
+# %%
+# @save helpers.decode
+@helpers.add_to_class(Decoder)
+def bucket(self, length: int) -> int:
+    """The padded prefill length: the smallest bucket that holds the prompt."""
+    size = cache_length(length)
+    if size in PREFILL_BUCKETS and size <= self.max_len:
+        return size
+    raise ValueError(f"a {length}-token prompt needs more than the cache's {self.max_len} positions")
 
-    def stops(self, history: list[int], stop_ids) -> Stops:
-        """Where a run stops: after the first of ``stop_ids`` (None: the model's)."""
-        return Stops(self.model, history, stop_ids)
 
-    @torch.no_grad()
-    def generate(
-        self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
-    ):
-        """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
-        every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
-        self.check_room(ids.shape[1], new_tokens, start)
-        stops = self.stops(ids.cpu()[0].tolist(), stop_ids)  # a copy, not a device op per prompt length
-        if streamer is not None:
-            streamer.put(ids.cpu())
-        token, position = self.prefill(ids, start)
-        tokens, pending, made = [], [token], 1
-        while True:
-            last = made >= new_tokens
-            if last or made - len(tokens) >= readback_every:  # one host round trip per chunk
-                self.backend.flush()
-                chunk, stopped = stops.cut(torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)])
-                tokens, pending = tokens + chunk, []
+@helpers.add_to_class(Decoder)
+@torch.no_grad()
+def prefill(self, ids: torch.Tensor, start: int = 0):
+    """The prompt right-padded to its bucket (causal attention keeps padding out; the cache is rewound over it): the
+    first new token and its position."""
+    if start:
+        raise ValueError("a static cache's prefill starts at 0: RingDecoder goes on from a position")
+    length = ids.shape[1]
+    # built on the host, then copied: a TPU compiles an eager op per shape (deferred, per scalar value too)
+    padded = torch.zeros(1, self.bucket(length), dtype=ids.dtype)
+    padded[:, :length] = ids.cpu()
+    lengths = torch.tensor([0, length - 1, length]).to(ids.device)  # data copied, not a constant per length
+    zero, last, end = lengths[0], lengths[1:2], lengths[2]
+    set_length(self.cache, zero)
+    token = self.prefill_step(padded.to(ids.device), last)
+    set_length(self.cache, end)
+    return token, end.view(1, 1)
+
+
+# %% [markdown]
+# The loop: each call's tokens stay on the device and feed the next call; the host reads them once per block of
+# `readback_every` and cuts the run after a stop id there.
+
+
+# %%
+# @save helpers.decode
+@helpers.add_to_class(Decoder)
+@torch.no_grad()  # as generate runs it: with grad on, dynamo would compile the step again
+def call(self, token, position):
+    """One compiled call: the tokens it made [1, K] (K = 1 here; notebook 07 makes more), the last token and
+    position."""
+    token, position = self.decode_step(token, position)
+    return token, token, position
+
+
+@helpers.add_to_class(Decoder)
+def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
+    """Refuse, with the numbers, a run the cache cannot hold."""
+    if start + length + new_tokens + extra > self.max_len:
+        held = f"{start} positions held + " if start else ""
+        more = f" (+ {extra}: the last call's)" if extra else ""
+        raise ValueError(
+            f"{held}prompt {length} + {new_tokens} new tokens{more} exceed the cache's {self.max_len} positions"
+        )
+
+
+@helpers.add_to_class(Decoder)
+def stops(self, history: list[int], stop_ids) -> Stops:
+    """Where a run stops: after the first of ``stop_ids`` (None: the model's)."""
+    return Stops(self.model, history, stop_ids)
+
+
+@helpers.add_to_class(Decoder)
+@torch.no_grad()
+def generate(
+    self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
+):
+    """At most ``new_tokens`` tokens after ``ids`` (at ``start``), fed straight back on the device, read to the host
+    every ``readback_every`` and cut by ``stops`` (``stop_ids=()``: exactly ``new_tokens``)."""
+    self.check_room(ids.shape[1], new_tokens, start)
+    stops = self.stops(ids.cpu()[0].tolist(), stop_ids)  # a copy, not a device op per prompt length
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    token, position = self.prefill(ids, start)
+    tokens, pending, made = [], [token], 1
+    while True:
+        last = made >= new_tokens
+        if last or made - len(tokens) >= readback_every:  # one host round trip per chunk
+            self.backend.flush()
+            chunk, stopped = stops.cut(torch.cat(pending, dim=1)[0].tolist()[: new_tokens - len(tokens)])
+            tokens, pending = tokens + chunk, []
+            if streamer is not None:
+                streamer.put(torch.tensor(chunk))
+            if last or stopped:
                 if streamer is not None:
-                    streamer.put(torch.tensor(chunk))
-                if last or stopped:
-                    if streamer is not None:
-                        streamer.end()
-                    return tokens
-            block, token, position = self.call(token, position)
-            pending.append(block)
-            made += block.shape[1]
+                    streamer.end()
+                return tokens
+        block, token, position = self.call(token, position)
+        pending.append(block)
+        made += block.shape[1]
 
 
 # %% [markdown]
@@ -335,7 +362,7 @@ class Decoder:
 # through the checkpoint's reference model, each token its top choice or within 4 [ulps](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#ulp) of it.
 
 # %%
-torch._dynamo.reset()
+torch.compiler.reset()
 decoder = Decoder(model, backend, MAX_LEN)
 with backend.compile_counter() as first:
     tokens = decoder.generate(ids, new_tokens)
@@ -363,7 +390,40 @@ assert later.graphs == 0 and decoder.bucket(other.shape[1]) == decoder.bucket(id
 # cost):
 
 # %%
-counts, stopped = helpers.course.measure.hf_static_cache_compiles(model, ids, backend, steps=4)
+# @save helpers.decode
+import functools
+
+from helpers.decode import greedy_step
+
+
+def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
+    """Graphs compiled per step over transformers' ``StaticCache`` (its sliding layers count tokens in
+    a Python int: each position is a new guard), and dynamo's error at its recompile limit."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
+
+    compiled = torch.compile(
+        functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True
+    )
+    with torch.no_grad():
+        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        position = torch.tensor([[ids.shape[1]]], device=ids.device)
+        counts = []
+        torch.compiler.reset()
+        for _ in range(steps):
+            try:
+                with backend.compile_counter() as count:
+                    token, position = compiled(token, position)
+            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+                return counts, str(err).splitlines()[0]
+            counts.append(count.graphs)
+    return counts, None
+
+
+# %%
+counts, stopped = hf_static_cache_compiles(model, ids, backend, steps=4)
 print("graphs compiled per step with StaticCache:", counts, "| stopped:", stopped or "no")
 print("graphs compiled per step with ours, after the first:", 0)
 assert sum(counts) > 1
@@ -397,7 +457,7 @@ assert sum(counts) > 1
 helpers.show(helpers.backend.Backend.donate)
 audit_folder = backend.xla_dump_folder
 if audit_folder:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     with helpers.course.programs.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
         audited = Decoder(model, backend, 2 * MAX_LEN)
         audited.generate(ids, 4)
@@ -409,7 +469,7 @@ if audit_folder:
         )
     )
     assert len(audit) == 2 and all(r["cache_aliased"] == r["cache_buffers"] for r in audit)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder.generate(ids, 2)  # the notebook's decoder, compiled again after the reset
 else:
     print(f"{backend.name}: no XLA dump to read here (the xla backend with HELPERS_XLA_AUDIT=1 shows it)")
@@ -418,7 +478,7 @@ else:
 if backend.on_tpu:  # the hypothesis's test on a reader's v5e-1: no machine building the course has run it
     passes = helpers.course.measure.cache_passes(model, ids, backend, (MAX_LEN, 16 * MAX_LEN))
     print(f"a step makes {passes['passes']:.1f} passes over its cache: {passes}")
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder.generate(ids, 2)  # the notebook's decoder, compiled again
 else:
     print(f"{backend.name}: on a TPU, this cell times the step at caches of {MAX_LEN} and {16 * MAX_LEN} positions")

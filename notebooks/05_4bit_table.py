@@ -127,6 +127,7 @@ print(
     f" {row_words:,} words, exact (saves {fmt_bytes(saved_exact)}; {fmt_bytes(padding)} of it padding)"
 )
 assert ple["int4_bytes"] == 1_321_205_760 and saved == 3_376_414_720 and row_words % 128 == 0
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## What a step reads: the same before and after
@@ -150,6 +151,7 @@ print(
 )
 assert before["bytes_per_token"] - after["bytes_per_token"] == row_bf16 - row_int4
 assert before["weights_on_device"] - after["weights_on_device"] == saved_exact
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # So the source's 31-33 -> 50 tok/s is not the bytes a step reads: both steps read the same
@@ -292,6 +294,7 @@ print(table(helpers.course.audits.memory_report(model)))
 fig = helpers.course.charts.stacked_bars(
     helpers.course.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)"
 )
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## Same tokens, still one compile
@@ -299,7 +302,7 @@ fig = helpers.course.charts.stacked_bars(
 # tokens as notebook 03, two compilations (prefill bucket and step) and no recompiles.
 
 # %%
-torch._dynamo.reset()
+torch.compiler.reset()
 decoder = helpers.decode.Decoder(model, backend, max_len=256)  # a new module inside: compile anew
 with backend.compile_counter() as compiled:
     tokens = decoder.generate(ids, new_tokens)
@@ -343,7 +346,7 @@ print(
     f"E2B embed_tokens {main['shape']}: {fmt_bytes(main['bf16_bytes'])} in bf16 -> {fmt_bytes(main['int4_bytes'])} in int4"
 )
 print(helpers.qtable.keep_embed_in_4bit(model))
-torch._dynamo.reset()
+torch.compiler.reset()
 decoder = helpers.decode.Decoder(model, backend, max_len=256)
 with backend.compile_counter() as compiled_main:
     tokens_main = decoder.generate(ids, new_tokens)
@@ -393,3 +396,4 @@ print(f"measured here: {rate / rate_bf16_table:.2f}x")
 values = ple["shape"][0] * ple["shape"][1]
 for scale_bytes in (2, 4):
     print(f"{scale_bytes}-byte scales: {fmt_bytes(helpers.course.e2b.int4_bytes(values, scale_bytes=scale_bytes))}")
+# NBVAL_CHECK_OUTPUT

@@ -114,6 +114,7 @@ fig = helpers.course.charts.stacked_bars(
     {"full-length caches": weights_e2b | {"KV cache": full_e2b}, "ring cache": weights_e2b | {"KV cache": ring_e2b}},
     f"E2B device bytes at {E2B_CONTEXT:,} positions (computed, meta device)",
 )
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## Why the source's decode slowed down: bytes read, and time that adds
@@ -150,6 +151,7 @@ print(
 # the decoder's ring: the window and its 16 spare slots (notebook 04's blocks), held once, read by more layers
 spared = helpers.course.e2b.kv_cache_bytes(e2b, E2B_CONTEXT, ring=True, spare=helpers.decode.READBACK_EVERY)
 assert ring_step["cache_held"] == spared and ring_step["cache_read"] > 2 * spared
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # So a static shape's decode time is flat with context at the worst case: the step reads
@@ -178,7 +180,7 @@ def _chunk(kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(
             "a RingCache needs each forward's absolute positions and the ring's masks, which transformers' "
             "generate does not give: call model.generate(..., cache=cache) inside "
-            "`with helpers.course.measure.inside_generate(model):`, or use helpers.ring.RingDecoder"
+            "`with helpers.ring.inside_generate(model):`, or use helpers.ring.RingDecoder"
         )
     return kwargs["ring_positions"], kwargs["ring_valid"]
 
@@ -272,10 +274,50 @@ assert full.int().sum(-1).tolist() == [7, 8]  # a full layer: positions 0..6, 0.
 # past `start`; where a run wrote more than the spare slots cover, it refuses and says why.
 
 # %%
-helpers.show(helpers.ring.RingDecoder.prefill, helpers.ring.RingDecoder.go_on_from)
+# @save helpers.ring
+
+
+@helpers.add_to_class(helpers.ring.RingDecoder)
+def go_on_from(self, start: int) -> None:
+    """Forget what the last run wrote from ``start`` on, or refuse where its slots have taken positions a query at
+    ``start`` still sees: a write at position p takes the slot of p - window - spare."""
+    past = self.cache.get_seq_length() - start  # the last run's positions from start on (a verify's: K more)
+    if past > self.spare - self.draft_tokens + 1:
+        raise ValueError(
+            f"the cache holds {past} positions past {start}: going on from {start} needs the window before it, "
+            f"and this ring keeps {self.spare} spare slots (read back at most every {self.readback_every} "
+            "tokens, or make the decoder with a larger readback_every)"
+        )
+    self.rewind(torch.tensor(start).to(self.cache.slot_positions.device))
+
+
+@helpers.add_to_class(helpers.ring.RingDecoder)
+@torch.no_grad()
+def prefill(self, ids: torch.Tensor, start: int = 0):
+    """The prompt in chunks, the last padded: one program for any length. ``start`` > 0 goes on after what the cache
+    holds."""
+    length = ids.shape[1]
+    if start + length > self.max_len:
+        held, verb = (f"{start} positions held + ", "exceed") if start else ("", "exceeds")
+        raise ValueError(f"{held}a {length}-token prompt {verb} the cache's {self.max_len} positions")
+    if start:
+        self.go_on_from(start)
+    self.at = start
+    self.fit(start + length)
+    if start == 0:
+        self.cache.reset()
+    self.at = start + length
+    host = ids.cpu()  # each chunk built on the host, then copied: one program for any prompt, as in Decoder.prefill
+    for first, positions, valid in self.chunks(length, ids.device, start):
+        tokens = torch.zeros(1, self.chunk_size, dtype=ids.dtype)
+        tokens[:, : min(self.chunk_size, length - first)] = host[:, first : first + self.chunk_size]
+        last = torch.tensor([min(length - 1 - first, self.chunk_size - 1)]).to(ids.device)
+        token = self.prefill_step(tokens.to(ids.device), positions, valid, last)
+    return token, torch.tensor([[start + length]]).to(ids.device)
+
 
 # %% [markdown]
-# Each chunk's `_prefill` passes its last real row as `logits_to_keep`, so layers 15-34 and the
+# Each chunk's `prefill_forward` passes its last real row as `logits_to_keep`, so layers 15-34 and the
 # head run on that row alone (notebook 04's `skip_shared_layers`). Before issue 44, the ring ran
 # all 35 layers and the 262,144-wide head on every row: a 512-row chunk's logits alone were
 # 268 MB in bf16. The weight FLOPs per prefilled token, computed from E2B's configuration
@@ -289,6 +331,7 @@ print(
     f" ({flops['every row'] / flops['cut']:.1f}x fewer)"
 )
 assert flops["every row"] > 3.5 * flops["cut"]
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## Attention that reads the one K/V head as the cache holds it
@@ -379,7 +422,7 @@ assert ring_bytes == helpers.course.e2b.kv_cache_bytes(config, MAX_LEN, **ring_s
 # the decode step), then none for more tokens or a longer prompt.
 
 # %%
-torch._dynamo.reset()
+torch.compiler.reset()
 with backend.compile_counter() as compiled:
     tokens = decoder.generate(ids, new_tokens)
 verdict = series.same_tokens(tokens)
@@ -463,7 +506,25 @@ assert big_compiled.graphs == 2 and big_timed.graphs == 0  # the timed runs comp
 # step, the second's step), and what a step reads in each bucket (`decode.cache_read_bytes`).
 
 # %%
-helpers.show(helpers.ring.RingDecoder.fit, helpers.ring.RingDecoder.call)
+# @save helpers.ring
+from helpers.ring import RingCache
+
+
+@helpers.add_to_class(helpers.ring.RingDecoder)
+def fit(self, end: int) -> None:
+    """Make the cache the smallest bucket holding positions 0..``end``-1 (copying up once; a new prompt may move
+    back down)."""
+    bucket = next(b for b in self.buckets if b >= end)
+    if bucket == self.cache.max_len or (bucket < self.cache.max_len and self.at):
+        return
+    old, self.cache = self.cache, RingCache(self.model, bucket, self.chunk_size, self.spare)
+    if self.at:  # moving up mid-context: the same slots, a longer buffer for the full layers
+        for new, held in zip(self.cache.layers, old.layers):
+            if held.is_initialized:
+                new.keys[:, :, : held.keys.shape[2]].copy_(held.keys)
+                new.values[:, :, : held.values.shape[2]].copy_(held.values)
+        self.cache.slot_positions.copy_(old.slot_positions)
+
 
 # %%
 BUCKETS = (64, 256) if checkpoint.tiny else (2_048, 8_192)  # and CONTEXT itself
@@ -514,6 +575,7 @@ for chunk in (1, e2b.sliding_window // 4, e2b.sliding_window):
         f" grouped attention does not make, {fmt_bytes(sizes['k_repeated'])} (bf16)"
     )
 assert helpers.course.e2b.full_attention_bytes(e2b, E2B_CONTEXT)["k_repeated"] > ring_e2b  # outweighs the whole ring
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # Nothing wraps silently: a prompt plus new tokens beyond the full layers' buffer is refused
@@ -600,6 +662,7 @@ for positions in (16_384, 65_536, helpers.course.e2b.CONTEXT):
     print(
         f"{positions:>7,} positions: +{fmt_bytes(extra)} a step -> {1 / (base_s + extra / 819e9):.1f} tok/s (predicted)"
     )
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **2.** With chunks of a quarter window, how long does the 20-window prompt's prefill take, and
@@ -612,8 +675,8 @@ for positions in (16_384, 65_536, helpers.course.e2b.CONTEXT):
 quarter = helpers.ring.RingDecoder(model, backend, max_len=MAX_LEN, chunk_size=W // 4)
 with backend.compile_counter() as made:
     quarter.generate(ids, 2)
-timed = helpers.course.timing.time_fn(quarter.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
-again = helpers.course.timing.time_fn(decoder.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
+timed = helpers.timing.time_fn(quarter.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
+again = helpers.timing.time_fn(decoder.prefill, long_ids, sync=backend.sync, warmup=1, repeats=1)
 print(
     f"{made.graphs} programs; prefill {timed.median:.3f} s in chunks of {W // 4}, {again.median:.3f} s in chunks of {W}"
 )
@@ -632,3 +695,4 @@ for bucket in (4_096, 16_384, 65_536, helpers.course.e2b.CONTEXT):
     extra = at["bytes_per_token"] - short["bytes_per_token"]
     print(f"contexts {low + 1:,}-{bucket:,}: {1 / (base_s + extra / 819e9):.1f} tok/s (predicted)")
     low = bucket
+# NBVAL_CHECK_OUTPUT

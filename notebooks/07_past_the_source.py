@@ -134,6 +134,7 @@ fig = helpers.course.charts.ceiling_chart(
     },
     peer=("a pure-JAX engine, bf16 weights (xbill9/colab-jax)", helpers.course.sources.JAX_BF16_TOK_S),
 )
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **What you should see:** all-bf16 linears cap E2B near 180 tok/s on a v5e, whatever the
@@ -165,6 +166,7 @@ print(
     f" {step05['bytes_per_token'] / helpers.backend.V5E_BYTES_PER_S * 1e3:.2f} ms"
 )
 assert intensity < 2 and ridge > 200
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## What this device reads at
@@ -229,12 +231,7 @@ class KDecoder(Decoder):
 
 
 # %%
-helpers.show(
-    helpers.backend.Backend.use_matvec_loops,
-    helpers.qlinear.QLinear.weight.fget,
-    helpers.qlinear.QLinear.forward,
-    helpers.fused.Fused.part,
-)
+helpers.show(helpers.backend.Backend.use_matvec_loops)  # the device's policy, not a lesson of its own
 
 # %% [markdown]
 # The int4 product itself, written here (kept, the same, in `helpers.int4`, where `QLinear` calls
@@ -308,24 +305,67 @@ out_features, in_features = 4 * hidden, hidden
 codes = torch.randint(-8, 8, (out_features, in_features), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
 steps = (torch.rand(out_features, in_features // 32, generator=torch.Generator().manual_seed(1)) / 64).bfloat16()
 row = torch.randn(1, in_features, generator=torch.Generator().manual_seed(2)).bfloat16()
-weight = dequantize(codes, steps, torch.bfloat16)  # the checkpoint's values: bf16(code x scale)
-dense = torch.nn.functional.linear(row, weight)
+values = dequantize(codes, steps, torch.bfloat16)  # the checkpoint's values: bf16(code x scale)
+dense = torch.nn.functional.linear(row, values)
 kernel = backend.int4_kernel or "cpu"  # a TPU has none: the host's shows it
 device = backend.device if backend.int4_kernel else "cpu"
 packed, scales_and_zeros = int4pack(codes.to(device), steps.to(device), kernel)
-assert torch.equal(int4pack_values(packed, scales_and_zeros, kernel).cpu(), weight)
+assert torch.equal(int4pack_values(packed, scales_and_zeros, kernel).cpu(), values)
 words = helpers.qlinear.pack_words(codes)
 for name, product in [
     ("dequantized", packed_linear(row, words, steps, torch.bfloat16)),
     (f"torch's {kernel} int4 kernel", int4pack_linear(row.to(device), packed, scales_and_zeros, kernel).cpu()),
 ]:
     # bf16's rounding: half an ulp of each term (the kernel's weights are unrounded), one of the output
-    bound = 2**-9 * (row.abs().float() @ weight.abs().float().T) + 2**-8 * product.abs().float().maximum(dense.abs())
+    bound = 2**-9 * (row.abs().float() @ values.abs().float().T) + 2**-8 * product.abs().float().maximum(dense.abs())
     gap = (product.float() - dense.float()).abs()
     print(
         f"{name}: largest difference from the dense matmul {gap.max().item():.3g}, at most {gap.div(bound).max():.2f} of the bound"
     )
     assert (gap <= bound).all()
+
+# %% [markdown]
+# `QLinear` holds a linear's codes in the form its backend multiplies: through torch's kernel where the backend
+# has one (`int4pack_linear`, above), else dequantized in the step (`packed_linear`); int8 codes, one scale a row,
+# through torch's int8 kernel. `Fused.part` serves q/k/v (and gate/up) from one matmul of their concatenated
+# weights: the first part's call computes all of them, the others read its result.
+
+
+# %%
+# @save helpers.qlinear
+@helpers.add_to_class(helpers.qlinear.QLinear)
+@property
+def weight(self) -> torch.Tensor:
+    """The weight, dequantized: through the kernel's own reading where it has one (exactly the checkpoint's)."""
+    if self.kernel and self.fmt == "int4":
+        return int4pack_values(self.codes, self.scales, self.kernel).to(self.dtype)
+    return dequantize(*self.unpacked(), self.dtype)
+
+
+@helpers.add_to_class(helpers.qlinear.QLinear)
+def forward(self, x: torch.Tensor) -> torch.Tensor:
+    if self.kernel and self.fmt == "int4":
+        return int4pack_linear(x, self.codes, self.scales, self.kernel)
+    if self.kernel:  # int8 codes, one scale a row
+        return torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.codes, self.scales).view(
+            *x.shape[:-1], self.out_features
+        )
+    if self.fmt == "int4":
+        return packed_linear(x, self.codes, self.scales, self.dtype)
+    return torch.nn.functional.linear(x, self.weight)
+
+
+# %%
+# @save helpers.fused
+@helpers.add_to_class(helpers.fused.Fused)
+def part(self, x: torch.Tensor, i: int) -> torch.Tensor:
+    if self._last is None or self._last[0] is not x:
+        self._last = (x, self.linear(x).split(self.sizes, dim=-1))
+    out = self._last[1][i]
+    if i == len(self.sizes) - 1:
+        self._last = None  # hold no activation between steps (nor a compiled graph's output)
+    return out
+
 
 # %% [markdown]
 # **What we test:** each variant, compiled anew: the same tokens as notebook 03, two graphs
@@ -501,6 +541,7 @@ print(f"W8A8 over bf16 there: {src.VLLM_E2B_TOK_S['W8A8'] / src.VLLM_E2B_TOK_S['
 v5e = helpers.course.sources
 print(f"the v5e's int8 peak {v5e.V5E_INT8_OPS / 1e12:.0f} TOPS, {v5e.V5E_INT8_OPS / v5e.V5E_BF16_FLOPS:.1f}x its bf16")
 print(f"W8A8's quality against bf16 (the suite's score, GSM8K's points): {src.W8A8_VS_BF16}")
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # ## Results

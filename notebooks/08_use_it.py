@@ -133,6 +133,7 @@ noise = gumbel(torch.tensor([7]), torch.tensor([40, 40, 41]), 6)
 print(noise)
 # equal bits by construction: the same integers through the same elementwise ops (no sum)
 assert torch.equal(noise[0], noise[1]) and not torch.equal(noise[0], noise[2])
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # The sampler, written here too (kept, the same, in `helpers.sampling`, which the decoders'
@@ -252,6 +253,7 @@ with backend.compile_counter() as again:
 print(table([{"seed": s, "text": tokenizer.decode(t, skip_special_tokens=True)[:70]} for s, t in runs.items()]))
 print(f"graphs compiled: {first.graphs} on the first call (prefill chunk, step), {again.graphs} for three more seeds")
 assert runs[0] == one and again.graphs == 0  # equal lists: the same programs on the same inputs
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **What you should see:** seed 0 twice gives the same text, and nothing compiles after the
@@ -288,7 +290,28 @@ assert counts[probs == 0].sum() == 0  # what top-k and top-p remove is never dra
 # same widget as notebook 03, with live tok/s.
 
 # %%
-helpers.show(helpers.generate.Stops)  # notebook 03's rule, with transformers' StopStringCriteria
+# @save helpers.generate
+# notebook 03's rule, with transformers' StopStringCriteria
+from transformers import StopStringCriteria
+
+from helpers.generate import first_stop, stop_ids
+
+
+class Stops:
+    """Where a run stops, checked per chunk read back: the first of ``ids`` (default the model's; ``()``: never) or of
+    the stop strings in ``criteria``."""
+
+    def __init__(self, model, history: list[int], ids=None, criteria: StopStringCriteria | None = None):
+        self.ids = set(stop_ids(model) if ids is None else ids)
+        self.criteria, self.history = criteria, list(history)
+
+    def cut(self, chunk: list[int]) -> tuple[list[int], bool]:
+        """The chunk through its first stop, and whether it stopped."""
+        keep = first_stop(self.history, chunk, self.ids, self.criteria)
+        chunk = chunk[:keep]
+        self.history += chunk
+        return chunk, keep is not None
+
 
 # %%
 widget = helpers.course.widgets.text_widget()
@@ -308,7 +331,7 @@ assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tok
 #
 # ## The ring cache inside transformers' `generate`
 # **What we test:** `generate` given a `RingCache` (`cache=`), inside
-# `helpers.course.measure.inside_generate(model)`, gives its default cache's tokens for a prompt three
+# `helpers.ring.inside_generate(model)`, gives its default cache's tokens for a prompt three
 # windows long. `generate` builds masks that assume keys at positions 0..n; inside the block,
 # hooks on the model give its forward the ring's masks and positions instead, so any generation
 # config runs on the ring: greedy, sampled, streamed, stopped by a string. Outside the block a
@@ -317,7 +340,51 @@ assert stop in text or tokens[-1] in helpers.generate.stop_ids(model) or len(tok
 # own static cache recompiled every position (notebook 04).
 
 # %%
-helpers.show(helpers.course.measure.inside_generate)
+# @save helpers.ring
+import contextlib
+
+from helpers.ring import RingCache
+
+
+@contextlib.contextmanager
+def inside_generate(model):
+    """Inside the block, transformers' own ``generate(..., cache=RingCache(...))`` runs on the ring: hooks give each
+    forward the ring's masks and positions, then commit the slots."""
+
+    def before(module, args, kwargs):
+        cache = kwargs.get("cache")
+        if not isinstance(cache, RingCache) or "ring_positions" in kwargs:
+            return None
+        inputs = kwargs.get("input_ids")
+        length = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = (torch.arange(length) + cache.get_seq_length()).to(cache.slot_positions.device)[None]
+        positions = position_ids[0]
+        if positions.shape[0] > cache.max_len:
+            raise ValueError(f"a {positions.shape[0]}-token forward exceeds the ring cache's {cache.max_len} positions")
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        cache.pending = positions, valid  # committed by the forward hook, after every layer has read the ring
+        kwargs |= {"position_ids": position_ids, "attention_mask": cache.masks(positions)}
+        return args, kwargs | {"ring_positions": positions, "ring_valid": valid}
+
+    def after(module, args, kwargs, output):
+        cache = kwargs.get("cache")
+        if isinstance(cache, RingCache) and getattr(cache, "pending", None) is not None:
+            cache.commit(*cache.pending)
+            cache.pending = None
+
+    text_model = model.get_decoder()
+    handles = [
+        text_model.register_forward_pre_hook(before, with_kwargs=True),
+        text_model.register_forward_hook(after, with_kwargs=True),
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
 
 # %%
 window = model.config.get_text_config().sliding_window
@@ -334,7 +401,7 @@ assert verdict
 # sampled and streamed, with a stop string: generate's own sampling, on the ring
 streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.course.widgets.text_widget())
 torch.manual_seed(0)  # generate draws from torch's generator
-with helpers.course.measure.inside_generate(model):
+with inside_generate(model):
     out = model.generate(
         long,
         cache=helpers.ring.RingCache(model, MAX_LEN, window),
@@ -374,8 +441,39 @@ else:
 # with Gemma 4's assistant (notebook 09's speculative sampling): the same settings, the replies
 # drawn from the target's own distribution, several tokens per pass over its weights.
 
+
 # %%
-helpers.show(helpers.chat.Chat.say)
+# @save helpers.chat
+@helpers.add_to_class(helpers.chat.Chat)
+def say(self, text: str, streamer=None) -> str:
+    """The reply to ``text``, read back in the decoder's blocks: the ring's spare slots keep what a block makes past
+    the reply's stop from taking positions the next turn sees, and the next turn writes over them."""
+    turn = self.turn_ids(text)
+    held = max(len(self.tokens) - 1, 0)  # the last reply's last token is not in the cache yet
+    new = self.tokens[held:] + turn
+    need = held + len(new) + self.max_new_tokens
+    if need > self.decoder.max_len:
+        raise ValueError(
+            f"this turn would take the context to {need} positions (held {held} + turn {len(new)} + reply "
+            f"up to {self.max_new_tokens}), past the full layers' buffer of {self.decoder.max_len}: "
+            "start a new Chat, or a RingDecoder with a larger max_len"
+        )
+    ids = torch.tensor([new], device=self.decoder.backend.device)
+    reply = self.decoder.generate(
+        ids,
+        self.max_new_tokens,
+        readback_every=self.readback_every,
+        start=held,
+        streamer=streamer,
+        **({"seed": self.seed + len(self.replies)} if hasattr(self.decoder, "sampler") else {}),  # Sampled
+        **self.generate_kwargs,
+    )
+    self.tokens = self.tokens[:held] + new + reply
+    self.replies.append(reply)
+    answer = self.tokenizer.decode(reply, skip_special_tokens=True)
+    self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+    return answer
+
 
 # %%
 USE_ASSISTANT = False  # True: the chat drafts with Gemma 4's assistant, notebook 09's draft and verify

@@ -143,12 +143,12 @@ calls = []
 hook = model.register_forward_pre_hook(lambda module, args: calls.append(1))
 try:
     config = helpers.generate.greedy_config(model, series.new_tokens)
-    assisted = helpers.course.timing.time_fn(
+    assisted = helpers.timing.time_fn(
         model.generate, ids, generation_config=config, assistant_model=assistant, sync=backend.sync, warmup=0, repeats=1
     )
     passes = len(calls)
     calls.clear()
-    plain = helpers.course.timing.time_fn(
+    plain = helpers.timing.time_fn(
         model.generate, ids, generation_config=config, sync=backend.sync, warmup=0, repeats=1
     )
 finally:
@@ -288,124 +288,176 @@ class Drafted:
             drafts.append(token)
         return torch.cat(drafts, dim=1), None
 
-    def target(self, tokens, positions, rows=0):
-        """The target's last hidden state [1, C, H] for ``tokens`` [1, C] at ``positions`` [1, C] (at ``rows`` alone,
-        a tensor): its text model's output, what the assistant reads (``output_hidden_states`` hooks every layer, through
-        a lock dynamo refuses)."""
-        return self.model.model(
-            input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=rows
-        )
-
-    def head(self, hidden):
-        """The target's logits from its last hidden state, as its forward makes them: ``lm_head``, then the softcap."""
-        logits = self.model.lm_head(hidden)
-        cap = self.model.config.get_text_config().final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def donate(self) -> None:
-        """A verify's K/V, written in place: reused, not copied (where the backend's bridge allows it in this call)."""
-        if self.backend.donates_in_a_drafting_call:
-            self.backend.donate(*kv_buffers(self.cache))
-
-    def rewind(self, length) -> None:
-        """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
-        set_length(self.cache, length)
-
-    def verify(self, token, drafts, position, q=None):
-        """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts it keeps
-        (``judge``), then its own token after them. Returns those tokens [1, K+1] (-1 past them), the last one, the
-        position it goes at and the hidden state before it."""
-        self.donate()
-        tokens = torch.cat([token, drafts], dim=1)
-        steps = torch.arange(tokens.shape[1], device=tokens.device)
-        positions = position + steps
-        hidden = self.target(tokens, positions).last_hidden_state
-        kept, made = self.judge(drafts[0], q, self.head(hidden[0]), positions[0] + 1)
-        self.rewind(position.view(()) + kept + 1)
-        chosen = torch.where(steps < kept, torch.cat([drafts[0], made[-1:]]), made)  # the kept drafts, then its token
-        block = torch.where(steps <= kept, chosen, -1)
-        return (
-            block[None],
-            made.index_select(0, kept.view(1))[None],
-            position + kept + 1,
-            hidden.index_select(1, kept.view(1)),
-        )
-
-    def judge(self, drafts, q, logits, at):
-        """How many of ``drafts`` [K] the target keeps, and the token it makes after each of the K+1 positions [K+1],
-        from its ``logits`` [K+1, vocab] at positions ``at``: greedy, the drafts before its first disagreement."""
-        made = self.pick(logits, at)[:, 0]
-        return (drafts == made[:-1]).cumprod(0).sum(), made
-
-    def verify_and_draft(self, token, position, drafts, q=None):
-        """One call: ``verify``, then the next call's drafts from the token and hidden state it leaves (``draft``)."""
-        block, token, position, hidden = self.verify(token, drafts, position, q)
-        return block, token, position, self.draft(token, hidden, position)
-
     @torch.no_grad()
     def prefill(self, ids, start: int = 0):
         (token, self.drafts), position = super().prefill(ids, start)  # this decoder's prefill drafts too
         return token, position
 
-    @torch.no_grad()
-    def call(self, token, position):
-        block, token, position, self.drafts = self.call_step(token, position, *self.drafts)
-        return block, token, position
-
     def check_room(self, length: int, new_tokens: int, start: int = 0, extra: int = 0) -> None:
         super().check_room(length, new_tokens, start, self.draft_tokens)  # the last call writes K more positions
 
-    def tokens_per_verify(self) -> float:
-        """The last run's tokens per call: the target's own and the drafts it kept, on average (vLLM's "mean
-        acceptance length", which counts the target's own token too)."""
-        return 1 + sum(self.kept) / self.calls()
 
-    def kept_at(self) -> list[float]:
-        """Per draft position 1..K, the share of the last run's calls that kept it."""
-        return [sum(n >= j for n in self.kept) / self.calls() for j in range(1, self.draft_tokens + 1)]
+# %% [markdown]
+# The target's side of a call: its last hidden state on K+1 tokens (what the assistant reads next), its head,
+# and its cache rewound to what it keeps.
 
-    def calls(self) -> int:
-        """The last run's calls: none when its one token came from the prefill, and then nothing to count per call."""
-        if not self.kept:
-            raise ValueError("the last run made no call (its one token came from the prefill): no verify to count")
-        return len(self.kept)
 
-    @torch.no_grad()
-    def generate(
-        self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
-    ):
-        """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been
-        made, or the length may have been reached."""
-        self.check_room(ids.shape[1], new_tokens, start)
-        stops = self.stops(ids.cpu()[0].tolist(), stop_ids)  # a copy, not a device op per prompt length
-        if streamer is not None:
-            streamer.put(ids.cpu())
-        token, position = self.prefill(ids, start)
-        tokens, pending, most, self.kept = [], [token], 1, []  # most: tokens made at most, until read back
-        while True:
-            if most >= new_tokens or most - len(tokens) >= readback_every:
-                self.backend.flush()
-                blocks = [b[0].tolist() for b in pending]
-                self.kept += [sum(t >= 0 for t in b) - 1 for b in blocks[1 if not tokens else 0 :]]
-                made = [t for b in blocks for t in b if t >= 0]
-                chunk, stopped = stops.cut(made[: new_tokens - len(tokens)])
-                tokens, pending, most = tokens + chunk, [], len(tokens) + len(chunk)
-                self.at = start + ids.shape[1] + len(tokens)  # positions held, known again (a ring's buckets)
+# %%
+# @save helpers.draft
+@helpers.add_to_class(Drafted)
+def target(self, tokens, positions, rows=0):
+    """The target's last hidden state [1, C, H] for ``tokens`` [1, C] at ``positions`` [1, C] (at ``rows`` alone,
+    a tensor): its text model's output, what the assistant reads (``output_hidden_states`` hooks every layer, through
+    a lock dynamo refuses)."""
+    return self.model.model(
+        input_ids=tokens, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=rows
+    )
+
+
+@helpers.add_to_class(Drafted)
+def head(self, hidden):
+    """The target's logits from its last hidden state, as its forward makes them: ``lm_head``, then the softcap."""
+    logits = self.model.lm_head(hidden)
+    cap = self.model.config.get_text_config().final_logit_softcapping
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+@helpers.add_to_class(Drafted)
+def donate(self) -> None:
+    """A verify's K/V, written in place: reused, not copied (where the backend's bridge allows it in this call)."""
+    if self.backend.donates_in_a_drafting_call:
+        self.backend.donate(*kv_buffers(self.cache))
+
+
+@helpers.add_to_class(Drafted)
+def rewind(self, length) -> None:
+    """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
+    set_length(self.cache, length)
+
+
+# %% [markdown]
+# A verify: the target on the token and the K drafts in one forward, the longest agreeing prefix kept (`judge`),
+# then its own token after it; and a call, the verify then the next call's drafts, one program.
+
+
+# %%
+# @save helpers.draft
+@helpers.add_to_class(Drafted)
+def verify(self, token, drafts, position, q=None):
+    """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts it keeps
+    (``judge``), then its own token after them. Returns those tokens [1, K+1] (-1 past them), the last one, the
+    position it goes at and the hidden state before it."""
+    self.donate()
+    tokens = torch.cat([token, drafts], dim=1)
+    steps = torch.arange(tokens.shape[1], device=tokens.device)
+    positions = position + steps
+    hidden = self.target(tokens, positions).last_hidden_state
+    kept, made = self.judge(drafts[0], q, self.head(hidden[0]), positions[0] + 1)
+    self.rewind(position.view(()) + kept + 1)
+    chosen = torch.where(steps < kept, torch.cat([drafts[0], made[-1:]]), made)  # the kept drafts, then its token
+    block = torch.where(steps <= kept, chosen, -1)
+    return (
+        block[None],
+        made.index_select(0, kept.view(1))[None],
+        position + kept + 1,
+        hidden.index_select(1, kept.view(1)),
+    )
+
+
+@helpers.add_to_class(Drafted)
+def judge(self, drafts, q, logits, at):
+    """How many of ``drafts`` [K] the target keeps, and the token it makes after each of the K+1 positions [K+1],
+    from its ``logits`` [K+1, vocab] at positions ``at``: greedy, the drafts before its first disagreement."""
+    made = self.pick(logits, at)[:, 0]
+    return (drafts == made[:-1]).cumprod(0).sum(), made
+
+
+@helpers.add_to_class(Drafted)
+def verify_and_draft(self, token, position, drafts, q=None):
+    """One call: ``verify``, then the next call's drafts from the token and hidden state it leaves (``draft``)."""
+    block, token, position, hidden = self.verify(token, drafts, position, q)
+    return block, token, position, self.draft(token, hidden, position)
+
+
+# %% [markdown]
+# The loop around the calls: the prefill drafts the first call's tokens, each call hands the next its drafts,
+# and the host reads the blocks back as notebook 04's loop does.
+
+
+# %%
+# @save helpers.draft
+@helpers.add_to_class(Drafted)
+@torch.no_grad()
+def call(self, token, position):
+    block, token, position, self.drafts = self.call_step(token, position, *self.drafts)
+    return block, token, position
+
+
+@helpers.add_to_class(Drafted)
+def tokens_per_verify(self) -> float:
+    """The last run's tokens per call: the target's own and the drafts it kept, on average (vLLM's "mean
+    acceptance length", which counts the target's own token too)."""
+    return 1 + sum(self.kept) / self.calls()
+
+
+@helpers.add_to_class(Drafted)
+def kept_at(self) -> list[float]:
+    """Per draft position 1..K, the share of the last run's calls that kept it."""
+    return [sum(n >= j for n in self.kept) / self.calls() for j in range(1, self.draft_tokens + 1)]
+
+
+@helpers.add_to_class(Drafted)
+def calls(self) -> int:
+    """The last run's calls: none when its one token came from the prefill, and then nothing to count per call."""
+    if not self.kept:
+        raise ValueError("the last run made no call (its one token came from the prefill): no verify to count")
+    return len(self.kept)
+
+
+@helpers.add_to_class(Drafted)
+@torch.no_grad()
+def generate(
+    self, ids, new_tokens: int, readback_every: int = READBACK_EVERY, stop_ids=None, streamer=None, start: int = 0
+):
+    """As notebook 04's, each call making 1 to K+1 tokens: read back once ``readback_every`` tokens may have been
+    made, or the length may have been reached."""
+    self.check_room(ids.shape[1], new_tokens, start)
+    stops = self.stops(ids.cpu()[0].tolist(), stop_ids)  # a copy, not a device op per prompt length
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    token, position = self.prefill(ids, start)
+    tokens, pending, most, self.kept = [], [token], 1, []  # most: tokens made at most, until read back
+    while True:
+        if most >= new_tokens or most - len(tokens) >= readback_every:
+            self.backend.flush()
+            blocks = [b[0].tolist() for b in pending]
+            self.kept += [sum(t >= 0 for t in b) - 1 for b in blocks[1 if not tokens else 0 :]]
+            made = [t for b in blocks for t in b if t >= 0]
+            chunk, stopped = stops.cut(made[: new_tokens - len(tokens)])
+            tokens, pending, most = tokens + chunk, [], len(tokens) + len(chunk)
+            self.at = start + ids.shape[1] + len(tokens)  # positions held, known again (a ring's buckets)
+            if streamer is not None:
+                streamer.put(torch.tensor(chunk))
+            if most >= new_tokens or stopped:
                 if streamer is not None:
-                    streamer.put(torch.tensor(chunk))
-                if most >= new_tokens or stopped:
-                    if streamer is not None:
-                        streamer.end()
-                    return tokens
-            block, token, position = self.call(token, position)
-            pending.append(block)
-            most += block.shape[1]
+                    streamer.end()
+                return tokens
+        block, token, position = self.call(token, position)
+        pending.append(block)
+        most += block.shape[1]
 
 
+# %% [markdown]
+# The two decoders: `Drafted` first among the bases, on notebook 04's static cache and on notebook 06's ring,
+# which keeps K more spare slots for the drafts and moves up a bucket as notebook 06's does.
+
+
+# %%
+# @save helpers.draft
 class DraftDecoder(Drafted, Decoder):
     """Notebook 04's decoder, drafting and verifying on its static cache."""
 
-    def _prefill(self, tokens, last):
+    def prefill_forward(self, tokens, last):
         self.backend.donate(*kv_buffers(self.cache))
         positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
         hidden = self.target(tokens, positions, rows=last).last_hidden_state  # the last real row's alone
@@ -427,7 +479,7 @@ class DraftRingDecoder(Drafted, RingDecoder):
 
     rewind = RingDecoder.rewind  # not Drafted's, the static cache's
 
-    def _prefill(self, tokens, positions, valid, last):
+    def prefill_forward(self, tokens, positions, valid, last):
         self.backend.donate(*kv_buffers(self.cache))
         hidden = self.target(tokens, positions, last, valid).last_hidden_state
         at = positions[0].index_select(0, last) + 1
@@ -457,7 +509,7 @@ one_token = helpers.ring.RingDecoder(model, backend, MAX_LEN)
 one_token.generate(ids, series.new_tokens)  # compiled before it is timed
 base = helpers.course.measure.timed_generate(one_token, ids, series.timed_tokens, readback_every=16)
 results = helpers.Results()
-rows, kept_at = [], {}
+rows, kept_shares = [], {}
 for k in ks:
     for kind in (DraftDecoder, DraftRingDecoder):
         backend.reset_peak_memory()  # each row's own device peak (none counted on a CPU)
@@ -468,7 +520,7 @@ for k in ks:
             assert decoder.generate(ids, series.new_tokens) == tokens  # equal lists: the same programs, same inputs
         timed = helpers.course.measure.timed_generate(decoder, ids, series.timed_tokens, readback_every=16)
         row = helpers.course.steps.record_draft(results, series, decoder, tokens, compiled, timed["rates"])
-        kept_at[f"{kind.__name__}, K={k}"] = decoder.kept_at()
+        kept_shares[f"{kind.__name__}, K={k}"] = decoder.kept_at()
         rows.append({**row, "again": again.graphs, "x one-token": row["decode_tok_s"] / base["decode_tok_s"]})
         assert row["same_tokens"] and compiled.graphs == 2 and again.graphs == 0, row
 print(f"notebook 06's one-token ring decoder: {base['decode_tok_s']:.1f} tok/s")
@@ -490,7 +542,7 @@ print(
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 3))
-for label, rates in kept_at.items():
+for label, rates in kept_shares.items():
     ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
 ax.set_xlabel("draft position")
 ax.set_ylabel("share of verifies that kept it")
@@ -528,15 +580,16 @@ ax.legend()
 # tpu --compiled` on a v5e-1, its verify and draft rows against its one step.
 
 # %%
-call = helpers.course.e2b.call_figures(k=4, tokens_per_verify=3.21)
+cost = helpers.course.e2b.call_figures(k=4, tokens_per_verify=3.21)
 vllm = helpers.course.sources.VLLM_E2B_TOK_S
 print(
-    f"E2B on a v5e-1, K = 4: a step {call['step_ms']:.2f} ms; a verify of 5 {call['verify_steps']:.3f} steps, 4 drafts"
-    f" {call['drafts_steps']:.3f}: a call costs {call['call_steps']:.2f} steps. At 3.21 tokens per verify that is"
-    f" {call['x_one_token']:.2f}x the one-token step; vLLM measured {vllm['bf16 + assistant'] / vllm['bf16']:.2f}x"
+    f"E2B on a v5e-1, K = 4: a step {cost['step_ms']:.2f} ms; a verify of 5 {cost['verify_steps']:.3f} steps, 4 drafts"
+    f" {cost['drafts_steps']:.3f}: a call costs {cost['call_steps']:.2f} steps. At 3.21 tokens per verify that is"
+    f" {cost['x_one_token']:.2f}x the one-token step; vLLM measured {vllm['bf16 + assistant'] / vllm['bf16']:.2f}x"
     f" ({vllm['bf16 + assistant']} against {vllm['bf16']} tok/s, bf16)"
 )
-assert 1.2 < call["call_steps"] < 1.4
+assert 1.2 < cost["call_steps"] < 1.4
+# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **What you should see:** a call at about 1.3 steps: the verify about 1.02, the drafts about
@@ -610,7 +663,7 @@ class SpeculativeRingDecoder(Speculative, DraftRingDecoder):
 # %%
 settings = helpers.sampling.sampling_config(top_k=3)  # a few tokens per position: 400 draws resolve them
 sampled = SpeculativeDecoder(model, assistant, backend, MAX_LEN, 2, sampling=settings)
-sampled.prefill_step, sampled.call_step = sampled._prefill, sampled.verify_and_draft
+sampled.prefill_step, sampled.call_step = sampled.prefill_forward, sampled.verify_and_draft
 warp = sampled.sampler.scores
 with torch.no_grad():
     p1 = warp(model(ids).logits[:, -1]).softmax(-1)[0]
@@ -653,7 +706,7 @@ for ax, spare in zip(axes, (0, k)):
     ring.spare, ring.cache = spare, helpers.ring.RingCache(model, MAX_LEN, ring.chunk_size, spare)
     ring.draft = lambda token, hidden, position: (torch.full((1, k), vocab - 1, device=token.device), None)
     ring.prefill_step, ring.call_step = (
-        ring._prefill,
+        ring.prefill_forward,
         ring.verify_and_draft,
     )  # as written: another ring, another compile
     token, start = ring.prefill(prompt)
@@ -726,6 +779,6 @@ print("same tokens:", series.same_tokens(tokens), "| tokens per verify:", decode
 # draft i is kept only if drafts 1..i-1 were, so each extra draft adds less than the one before.
 for k in (1, 2, 4, 6):
     decoder = DraftDecoder(model, assistant, backend, MAX_LEN, k)
-    decoder.prefill_step, decoder.call_step = decoder._prefill, decoder.verify_and_draft
+    decoder.prefill_step, decoder.call_step = decoder.prefill_forward, decoder.verify_and_draft
     decoder.generate(ids, series.new_tokens, stop_ids=())  # run as written, uncompiled: a compile per K otherwise
     print(f"K = {k}: {decoder.tokens_per_verify():.2f} tokens per verify")

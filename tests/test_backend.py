@@ -5,10 +5,10 @@ import sys
 import pytest
 import torch
 import torch._inductor.config as inductor_config
-from conftest import needs_xla
 from torch._dynamo.utils import counters
 
 import helpers
+from conftest import needs_xla
 from helpers.backend import BACKENDS, MODES, BackendError, get_backend
 
 
@@ -59,7 +59,7 @@ def test_defer_and_fuse_on_cpu_names_the_backends_that_have_it():
 
 
 def test_compile_counter_counts_new_shapes_only(backend):
-    torch._dynamo.reset()
+    torch.compiler.reset()
     fn = backend.compile(helpers.op_stack)
     counts = []
     for size in (8, 8, 16, 8, 12):
@@ -80,7 +80,7 @@ def test_a_cpu_kernel_compiled_under_one_thread_count_serves_another():
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            torch._dynamo.reset()  # dynamo forgets; inductor's cache on disk stays
+            torch.compiler.reset()  # dynamo forgets; inductor's cache on disk stays
             counters.clear()
             outputs.append(cpu.compile(helpers.op_stack)(x))
     finally:

@@ -47,7 +47,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
         torch.manual_seed(7)
         if name == "ring":
             cache = ring.RingCache(model, 128, window)
-            with measure.inside_generate(model):
+            with ring.inside_generate(model):
                 out = model.generate(prompt, cache=cache, streamer=streamer, **settings)
         else:
             out = model.generate(prompt, streamer=streamer, **settings)
@@ -56,7 +56,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
     assert len(set(runs["ring"][0])) > 3  # sampled at temperature 1.3, not a greedy loop
     stop = tokenizer.decode(runs["ring"][0][8:10])
     torch.manual_seed(7)
-    with measure.inside_generate(model):
+    with ring.inside_generate(model):
         cut = model.generate(
             prompt, cache=ring.RingCache(model, 128, window), stop_strings=[stop], tokenizer=tokenizer, **settings
         )
@@ -65,7 +65,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
 
 def test_a_ring_cache_given_to_generate_without_the_hooks_says_which_way_to_go(series):
     model = series.model
-    with pytest.raises(ValueError, match="inside `with helpers.course.measure.inside_generate\\(model\\):`"):
+    with pytest.raises(ValueError, match="inside `with ring.inside_generate\\(model\\):`"):
         model.generate(series.ids, cache=ring.RingCache(model, 128, model.config.sliding_window), max_new_tokens=2)
 
 
@@ -75,7 +75,7 @@ def test_generates_compiled_forward_drives_the_ring_without_a_recompile_per_toke
         with pytest.raises(NotImplementedError, match="use RingDecoder.generate"):
             measure.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
         return
-    torch._dynamo.reset()
+    torch.compiler.reset()
     eager, _, _ = measure.generate_on_ring(series.model, series.ids, backend, 10, max_len=128)
     tokens, _, graphs = measure.generate_on_ring(series.model, series.ids, backend, 10, max_len=128, compiled=True)
     assert verdict.compare_tokens(tokens, eager, series.reference_model(), series.ids)

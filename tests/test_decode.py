@@ -18,7 +18,7 @@ def setup():
     backend = helpers.get_backend()
     series = helpers.course.series.prepare(backend, after=4)  # HF generate's reference, then stripped
     model, tokenizer, ids, n = series.model, series.tokenizer, series.ids, series.new_tokens
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = d.Decoder(model, backend, max_len=128)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
@@ -30,7 +30,6 @@ def test_a_prefill_runs_the_layers_that_keep_no_kv_and_the_head_on_its_last_real
     those layers, and the head's, on that one row; every other on all the rows (the static bucket, the ring's chunk).
     The tokens are checked above and in test_ring."""
     from conftest import linear_rows
-
     from helpers import ring
 
     backend, model, _, ids, _, decoder, _, _ = setup
@@ -45,9 +44,9 @@ def test_a_prefill_runs_the_layers_that_keep_no_kv_and_the_head_on_its_last_real
     chunk = ringed.chunk_size
     chunk_last = torch.tensor([min(ids.shape[1], chunk) - 1], device=ids.device)  # the first chunk's last real row
     for rows, every in (
-        (linear_rows(decoder._prefill, padded, last, within=cut), bucket),
+        (linear_rows(decoder.prefill_forward, padded, last, within=cut), bucket),
         (
-            linear_rows(ringed._prefill, padded[:, :chunk], positions, valid, chunk_last, within=cut),
+            linear_rows(ringed.prefill_forward, padded[:, :chunk], positions, valid, chunk_last, within=cut),
             chunk,
         ),
     ):
@@ -204,7 +203,7 @@ def test_the_prefill_runs_the_head_on_the_last_real_position_only(setup):
         padded = torch.zeros(1, decoder.bucket(ids.shape[1]), dtype=ids.dtype)
         padded[:, : ids.shape[1]] = ids
         with torch.no_grad():
-            first = decoder._prefill(padded, torch.tensor([ids.shape[1] - 1]))  # eager: the hook sees it
+            first = decoder.prefill_forward(padded, torch.tensor([ids.shape[1] - 1]))  # eager: the hook sees it
     finally:
         hook.remove()
     assert rows == [1] and padded.shape[1] > 1 and first.item() == tokens[0]

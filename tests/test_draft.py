@@ -31,7 +31,7 @@ def setup():
 
 def eager(decoder):
     """The decoder's steps run as written, uncompiled: the same code, without a compile per K on 2 cores."""
-    decoder.prefill_step, decoder.decode_step = decoder._prefill, decoder.step
+    decoder.prefill_step, decoder.decode_step = decoder.prefill_forward, decoder.step
     if isinstance(decoder, draft.Drafted):
         decoder.call_step = decoder.verify_and_draft
     return decoder
@@ -234,7 +234,7 @@ def test_a_call_is_one_compiled_graph_besides_the_prefill(backend, setup, kind):
     decode.strip_compressed_wrappers(model)
     folder = twin_assistant.build_twin_assistant(checkpoint.path)
     assistant = draft.load_assistant(folder, backend, torch.float32)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = kind(model, assistant, backend, MAX_LEN, 2)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, 16)

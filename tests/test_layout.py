@@ -54,6 +54,7 @@ LESSONS = {
     "fused",
     "chat",
     "draft",
+    "timing",
 }
 BOOKKEEPING = {p.stem for p in ROOT.glob("helpers/course/*.py")} - {"__init__"}
 # the lessons, all of them, short enough to read through: 2,000 for notebooks 01-08 (issue 35), and notebook 09's
@@ -140,15 +141,38 @@ def _saved_cells(notebook: pathlib.Path) -> list[tuple[str, str]]:
     return [(m.group(1), cell) for cell in cells if (m := SAVE.match(cell.lstrip("\n")))]
 
 
+ADD_TO_CLASS = ("add_to_class", "helpers.add_to_class")
+
+
 def _definitions(tree: ast.Module) -> dict[str, str]:
-    return {n.name: ast.dump(n) for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+    """Each function, class (its bases, docstring and attributes) and method by qualified name, as a syntax tree; a
+    function added by ``@helpers.add_to_class(X)`` (d2l's: a class written over several cells) is X's method, its
+    docstring read as Python reads it (indentation aside)."""
+    for n in ast.walk(tree):
+        if isinstance(n, ast.FunctionDef | ast.ClassDef) and ast.get_docstring(n, clean=False) is not None:
+            n.body[0].value.value = ast.get_docstring(n)
+    found = {}
+    for n in tree.body:
+        if isinstance(n, ast.ClassDef):
+            methods = [m for m in n.body if isinstance(m, ast.FunctionDef)]
+            found[n.name] = ast.dump(ast.ClassDef(**{**n.__dict__, "body": [m for m in n.body if m not in methods]}))
+            found |= {f"{n.name}.{m.name}": ast.dump(m) for m in methods}
+        elif isinstance(n, ast.FunctionDef):
+            added = [d for d in n.decorator_list if isinstance(d, ast.Call) and ast.unparse(d.func) in ADD_TO_CLASS]
+            owner = f"{ast.unparse(added[0].args[0]).split('.')[-1]}." if added else ""  # X, or helpers.m.X
+            kept = [d for d in n.decorator_list if d not in added]
+            found[owner + n.name] = ast.dump(ast.FunctionDef(**{**n.__dict__, "decorator_list": kept}))
+    return found
 
 
 def test_each_lesson_written_in_a_notebook_is_its_module_s_code():
-    """What a notebook shows is what runs: every function or class a ``# @save`` cell writes is,
-    as a syntax tree, the one its module holds (comments and blank lines aside)."""
+    """What a notebook shows is what runs: every function, class and method a ``# @save`` cell writes is, as a syntax
+    tree, the one its module holds (comments and blank lines aside). A class a notebook writes, over several cells
+    (``helpers.add_to_class``), has all its methods written in that notebook's cells; a notebook may also write a
+    method of a module's class (``@helpers.add_to_class(helpers.ring.RingDecoder)``): the one it shows runs."""
     checked = []
     for notebook in sorted(ROOT.glob("notebooks/0*.py")):
+        written_here = {}
         for module, code in _saved_cells(notebook):
             written = _definitions(ast.parse(code))
             kept = _definitions(ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text()))
@@ -156,6 +180,12 @@ def test_each_lesson_written_in_a_notebook_is_its_module_s_code():
             for name, tree in written.items():
                 assert kept.get(name) == tree, f"{notebook.name}: {name} differs from {module}.{name}"
                 checked.append(f"{notebook.stem[:2]} {module}.{name}")
+            written_here.setdefault(module, set()).update(written)
+        for module, names in written_here.items():
+            kept = _definitions(ast.parse((ROOT / (module.replace(".", "/") + ".py")).read_text()))
+            for cls in {n.split(".")[0] for n in names if "." in n} & names:  # a class this notebook writes
+                missing = {k for k in kept if k.startswith(f"{cls}.")} - names
+                assert not missing, f"{notebook.name}: {sorted(missing)} of {module}.{cls} not written in its cells"
     notebooks = {c.split()[0] for c in checked}
     assert {"04", "05", "06", "07", "08", "09"} <= notebooks, checked
 

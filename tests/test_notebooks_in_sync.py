@@ -1,6 +1,7 @@
 """Every jupytext source has its .ipynb twin, with the same cells (Colab opens the .ipynb)."""
 
 import pathlib
+import re
 
 import jupytext
 import pytest
@@ -62,7 +63,6 @@ GLOSSARY_TERMS = {  # the glossary's entries (docs/glossary.md), as the notebook
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_the_first_use_of_each_glossary_term_links_to_its_entry(source):
-    import re
 
     from helpers.course import publish
 
@@ -73,3 +73,54 @@ def test_the_first_use_of_each_glossary_term_links_to_its_entry(source):
             assert text[first.end() : first.end() + 2] == "](" and text[first.start() - 1] == "[", (anchor, source.name)
             assert text[first.end() + 2 :].startswith(publish.glossary_url(anchor) + ")"), (anchor, source.name)
     assert publish.GLOSSARY.exists()
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_the_fact_cells_carry_their_outputs_and_no_other_cell_does(source):
+    """What GitHub shows before anyone runs a notebook: the outputs of its fact cells (``# NBVAL_CHECK_OUTPUT``: facts
+    of E2B or of the course's definitions, whatever the backend), which nbval checks a run prints again; no other
+    cell's, since a run's timings, paths and machine are the reader's own. Stored by
+    ``python -m helpers.course.publish --facts runs/tour``."""
+    import nbformat
+
+    from helpers.course import publish
+
+    for cell in nbformat.read(source.with_suffix(".ipynb"), as_version=4).cells:
+        if not publish.is_fact(cell):
+            assert not cell.get("outputs"), (
+                f"{source.stem}: a stored output in a cell that is not a fact:\n{cell.source}"
+            )
+            continue
+        text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in cell.outputs)
+        assert text and not [o for o in cell.outputs if o.output_type == "error"], cell.source
+        assert not re.search(r"/(root|home|tmp|content)/", text), text  # no machine's paths
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_no_cell_is_over_60_lines_and_none_calls_a_private_name_of_the_course(source):
+    """Cells short enough to read (a class longer than that is written over several, ``helpers.add_to_class``), and
+    no ``._name`` the course defines outside the lessons a notebook writes (``# @save``): what a notebook calls is what a
+    reader may call."""
+    import ast
+
+    root = NOTEBOOKS.parent / "helpers"
+    private = set()
+    for module in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text())):  # the names it defines: torch's and transformers' aside
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                private.add(node.name)
+            elif isinstance(node, ast.Attribute | ast.Name) and isinstance(node.ctx, ast.Store):
+                private.add(getattr(node, "attr", None) or node.id)
+    from transformers.models.gemma4 import modeling_gemma4
+
+    transformers_own = set(re.findall(r"def (_\w+)", pathlib.Path(modeling_gemma4.__file__).read_text()))
+    # transformers' own names are not the course's: notebook 04 replaces one of them (its cut), as the lesson
+    private = {n for n in private - transformers_own if n.startswith("_") and not n.startswith("__")}
+    for cell in jupytext.read(source).cells:
+        if cell.cell_type == "code":
+            assert len(cell.source.splitlines()) <= 60, (
+                f"{source.name}: a cell of {len(cell.source.splitlines())} lines"
+            )
+            lesson = cell.source.startswith("# @save ")  # a module's own code, written here: its names are its own
+            used = set() if lesson else set(re.findall(r"\.(_[a-z]\w*)", cell.source)) & private
+            assert not used, f"{source.name} calls {sorted(used)}"

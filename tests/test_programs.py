@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from conftest import needs_xla
 
 import helpers
+from conftest import needs_xla
 from helpers import decode, qlinear, qtable, sampling
 from helpers.backend import AUDIT_VAR, enable_dump
 from helpers.course import programs
@@ -20,7 +20,7 @@ os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this 
 
 
 def _audits(decoder, series, **options) -> list[dict]:
-    torch._dynamo.reset()
+    torch.compiler.reset()
     folder = enable_dump()
     with programs.captured(folder) as compiled:
         tokens = decoder.generate(series.ids, series.new_tokens, **options)

@@ -7,12 +7,12 @@ tolerance or by the series' token verdict instead."""
 
 import pytest
 import torch
-from conftest import within_bf16_rounding
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.gemma4.modeling_gemma4 import Gemma4TextScaledWordEmbedding
 
+from conftest import within_bf16_rounding
 from helpers import decode as d
 from helpers import generate as g
 from helpers import int4, packed
@@ -319,7 +319,7 @@ def test_the_twins_table_is_on_its_grid_and_tokens_stay_the_same_with_one_compil
     d.strip_compressed_wrappers(model)
     report = q.keep_table_in_4bit(model)
     assert report["exact grid"] and isinstance(model.model.embed_tokens_per_layer, q.QTable)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = d.Decoder(model, backend, max_len=128)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)
@@ -357,6 +357,6 @@ def test_the_main_table_in_4bit_keeps_the_tied_heads_logits_and_the_tokens():
     assert report["exact grid"] and isinstance(model.lm_head, q.QHead)
     # equal: F.linear of the same values either way, the dequantized table being the bf16 one bit for bit
     assert torch.equal(model.lm_head(hidden).cpu(), logits.cpu())
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = d.Decoder(model, backend, max_len=128)
     assert series.same_tokens(decoder.generate(ids, n))

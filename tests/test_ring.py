@@ -209,7 +209,7 @@ def test_a_run_goes_on_after_a_block_read_back_past_its_stop(tiny, cpu):
     turn = torch.randint(3, 512, (1, 5), generator=torch.Generator().manual_seed(3))
     for every, spare in ((16, 16), (1, 1)):
         decoder = ring.RingDecoder(tiny, cpu, max_len=4 * W, readback_every=every)
-        decoder.prefill_step, decoder.decode_step = decoder._prefill, decoder.step  # eager: the same code
+        decoder.prefill_step, decoder.decode_step = decoder.prefill_forward, decoder.step  # eager: the same code
         assert decoder.cache.slot_positions.numel() == W + spare
         stop = decoder.generate(prompt, 16, stop_ids=())[3]
         reply = decoder.generate(prompt, 16, readback_every=16, stop_ids=[stop])
@@ -256,7 +256,7 @@ def test_compiled_one_decode_step_and_one_prefill_chunk_for_any_prompt_with_the_
     d.strip_compressed_wrappers(model)
     qtable.keep_table_in_4bit(model)
     ring.group_query_heads(model)  # as notebook 06 runs it: the compiled grouped attention, on each backend
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = ring.RingDecoder(model, backend, max_len=256)
     with backend.compile_counter() as count:
         tokens = decoder.generate(ids, n)

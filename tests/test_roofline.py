@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
-from conftest import linear_rows, within_bf16_rounding
 
 import helpers
+from conftest import linear_rows, within_bf16_rounding
 from helpers import decode as d
 from helpers import fused, int4, packed, qlinear, qtable, roofline
 from helpers.course import (
@@ -67,7 +67,7 @@ def test_the_read_probe_and_the_columns():
 
 def test_k_tokens_per_call_give_the_same_tokens_with_one_compilation(series):
     backend, k = helpers.get_backend(), 3  # not a divisor of the lengths asked: the last call overshoots
-    torch._dynamo.reset()
+    torch.compiler.reset()
     decoder = roofline.KDecoder(series.model, backend, max_len=128, tokens_per_call=k)
     with backend.compile_counter() as count:
         tokens = decoder.generate(series.ids, series.new_tokens)
@@ -87,7 +87,7 @@ def test_matvec_loops_make_every_one_row_matmul_a_loop_with_the_same_tokens_and_
         pytest.skip("inductor's decompose_mm_pass decomposes one-row matmuls on the CPU only")
     model = copy.deepcopy(series.model)
     qlinear.keep_linears_compressed(model, series.checkpoint.path, "int4-bytes")  # dequantized inside the loops
-    torch._dynamo.reset()
+    torch.compiler.reset()
     before = counters["inductor"]["decompose_mm"]
     decoder = d.Decoder(model, backend, max_len=64, **backend.use_matvec_loops())
     # no compiled-graph cache: a cache hit skips the passes, and the count of what they did
@@ -98,7 +98,9 @@ def test_matvec_loops_make_every_one_row_matmul_a_loop_with_the_same_tokens_and_
     # layers that keep no K/V and the head
     last = torch.tensor([series.ids.shape[1] - 1], device=series.ids.device)
     d.set_length(decoder.cache, 0)
-    one_row_in_prefill = [r for r, _ in linear_rows(decoder._prefill, series.ids, last)].count(1)  # eager: the same
+    one_row_in_prefill = [r for r, _ in linear_rows(decoder.prefill_forward, series.ids, last)].count(
+        1
+    )  # eager: the same
     assert (
         counters["inductor"]["decompose_mm"] - before
         == fused.linear_calls(model, series.ids[:, :1]) + one_row_in_prefill

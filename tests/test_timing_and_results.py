@@ -8,7 +8,7 @@ import pytest
 import helpers
 from helpers.course.results import Results
 from helpers.course.tables import table
-from helpers.course.timing import Timing, time_fed, time_fn
+from helpers.timing import Timing, time_fed, time_fn
 
 
 def test_time_fn_warms_up_syncs_every_call_and_keeps_the_median():

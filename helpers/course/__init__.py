@@ -18,7 +18,6 @@ _MODULES = {
     "steps",
     "synthetic",
     "tables",
-    "timing",
     "tour",
     "tpu",
     "twin",

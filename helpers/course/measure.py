@@ -13,10 +13,9 @@ from tqdm.auto import tqdm
 from ..backend import Backend, get_backend
 from ..decode import Decoder, cache_bytes, cache_read_bytes, greedy_step
 from ..generate import generate, greedy_config, stop_ids, until_stop
-from ..modes import op_input, op_stack
-from ..ring import RingCache, RingDecoder
+from ..ring import RingCache, RingDecoder, inside_generate
+from ..timing import time_fed, time_fn
 from .audits import memory_report
-from .timing import time_fed, time_fn
 
 
 @contextlib.contextmanager
@@ -148,32 +147,6 @@ def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, 
     }
 
 
-def hf_static_cache_compiles(model, ids, backend: Backend, steps: int) -> tuple[list[int], str | None]:
-    """Graphs compiled per step over transformers' ``StaticCache`` (its sliding layers count tokens in
-    a Python int: each position is a new guard), and dynamo's error at its recompile limit."""
-    from transformers import StaticCache
-
-    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + steps + 1)
-
-    compiled = torch.compile(
-        functools.partial(greedy_step, model, cache), backend="eager", dynamic=False, fullgraph=True
-    )
-    with torch.no_grad():
-        logits = model(input_ids=ids, cache=cache, use_cache=True).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
-        position = torch.tensor([[ids.shape[1]]], device=ids.device)
-        counts = []
-        torch._dynamo.reset()
-        for _ in range(steps):
-            try:
-                with backend.compile_counter() as count:
-                    token, position = compiled(token, position)
-            except torch._dynamo.exc.FailOnRecompileLimitHit as err:
-                return counts, str(err).splitlines()[0]
-            counts.append(count.graphs)
-    return counts, None
-
-
 @torch.no_grad()
 def context_sweep(
     decoder: RingDecoder,
@@ -226,46 +199,6 @@ def context_sweep(
     return rows
 
 
-@contextlib.contextmanager
-def inside_generate(model):
-    """Inside the block, transformers' own ``generate(..., cache=RingCache(...))`` runs on the ring: hooks give each
-    forward the ring's masks and positions, then commit the slots."""
-
-    def before(module, args, kwargs):
-        cache = kwargs.get("cache")
-        if not isinstance(cache, RingCache) or "ring_positions" in kwargs:
-            return None
-        inputs = kwargs.get("input_ids")
-        length = (inputs if inputs is not None else kwargs["inputs_embeds"]).shape[1]
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = (torch.arange(length) + cache.get_seq_length()).to(cache.slot_positions.device)[None]
-        positions = position_ids[0]
-        if positions.shape[0] > cache.max_len:
-            raise ValueError(f"a {positions.shape[0]}-token forward exceeds the ring cache's {cache.max_len} positions")
-        valid = torch.ones_like(positions, dtype=torch.bool)
-        cache.pending = positions, valid  # committed by the forward hook, after every layer has read the ring
-        kwargs |= {"position_ids": position_ids, "attention_mask": cache.masks(positions)}
-        return args, kwargs | {"ring_positions": positions, "ring_valid": valid}
-
-    def after(module, args, kwargs, output):
-        cache = kwargs.get("cache")
-        if isinstance(cache, RingCache) and getattr(cache, "pending", None) is not None:
-            cache.commit(*cache.pending)
-            cache.pending = None
-
-    text_model = model.get_decoder()
-    handles = [
-        text_model.register_forward_pre_hook(before, with_kwargs=True),
-        text_model.register_forward_hook(after, with_kwargs=True),
-    ]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
 @torch.no_grad()
 def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
     """transformers' greedy ``generate`` on a ``RingCache`` (exactly ``new_tokens``); ``compiled``: the forward compiled
@@ -302,33 +235,6 @@ def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compile
             del model.forward  # back to the class's own, eager
     per_token = [b - a for a, b in zip(graphs.seen, graphs.seen[1:])] if compiled else None
     return out.sequences[0, ids.shape[1] :].tolist(), cache, per_token
-
-
-def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: int = 20) -> list[dict]:
-    """Time ``op_stack`` in every mode the backend has: a row per mode with median/min/max ms, speed-up
-    over eager, and device programs per call (None where the backend cannot count that mode's)."""
-    x = op_input(backend, size)
-    rows = []
-    for mode in backend.modes:
-        fn = backend.in_mode(op_stack, mode)
-        timing = time_fn(fn, x, sync=backend.sync, warmup=warmup, repeats=repeats, desc=mode)
-        with backend.compile_counter() as count:
-            out = fn(x)
-        del out
-        executions = count.executions if backend.counts_executions(mode) else None
-        rows.append(
-            {
-                "mode": mode,
-                "median_ms": timing.median * 1e3,
-                "min_ms": timing.min * 1e3,
-                "max_ms": timing.max * 1e3,
-                "executions_per_call": executions,
-            }
-        )
-    eager_ms = rows[0]["median_ms"]
-    for row in rows:
-        row["speedup_vs_eager"] = eager_ms / row["median_ms"]
-    return rows
 
 
 READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread

@@ -4,6 +4,7 @@ glossary (``docs/glossary.md``) are written from it.
 
     python -m helpers.course.publish           # rewrite badges and set-up cells (a fork does this once)
     python -m helpers.course.publish --check   # list where they disagree with this file; exit 1 if any
+    python -m helpers.course.publish --facts runs/tour  # store the fact cells' outputs from a tour's run
 
 At run time the set-up cell also takes ``COURSE_REPO`` (a URL or a local folder),
 ``COURSE_REF`` and ``COURSE_DIR`` (default ``/content/course``) from the environment.
@@ -90,6 +91,33 @@ print("the course:", os.path.dirname(os.path.dirname(helpers.__file__)))
 helpers.install_missing()'''
 
 
+FACT = "# NBVAL_CHECK_OUTPUT"  # a cell whose output is a fact of E2B or of the course: stored, and checked by nbval
+
+
+def is_fact(cell) -> bool:
+    return cell.cell_type == "code" and FACT in cell.source.splitlines()
+
+
+def store_facts(executed: pathlib.Path) -> None:
+    """Copy the fact cells' outputs from the notebooks a run saved in ``executed`` (the tour's run folder) into the
+    committed .ipynb, and no other cell's: GitHub shows those facts before anyone runs a notebook, and
+    ``pytest --nbval-lax`` checks that a run prints them again."""
+    import nbformat
+
+    for path in NOTEBOOKS:
+        twin, ran = path.with_suffix(".ipynb"), nbformat.read(executed / path.with_suffix(".ipynb").name, as_version=4)
+        committed = nbformat.read(twin, as_version=4)
+        if [c.source for c in ran.cells] != [c.source for c in committed.cells]:
+            raise ValueError(f"{executed / twin.name} ran other cells than {twin.name}: run the tour again")
+        for cell, run in zip(committed.cells, ran.cells):
+            if cell.cell_type == "code":
+                cell.outputs, cell.execution_count = (run.outputs if is_fact(cell) else []), None
+                for output in cell.outputs:
+                    if "execution_count" in output:  # a run's own count: the committed notebook shows none
+                        output.execution_count = None
+        nbformat.write(committed, twin)
+
+
 def badge_url(notebook: str) -> str:
     """Colab's address for ``notebooks/<name>.ipynb`` of the published repository."""
     return f"https://colab.research.google.com/github/{GITHUB}/blob/{REF}/notebooks/{notebook}"
@@ -152,7 +180,13 @@ def write() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m helpers.course.publish", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only list disagreements; exit 1 if any")
-    if parser.parse_args(argv).check:
+    parser.add_argument("--facts", type=pathlib.Path, metavar="RUN_DIR", help="store the fact cells' outputs from here")
+    args = parser.parse_args(argv)
+    if args.facts:
+        store_facts(args.facts)
+        print(f"the outputs of the cells marked {FACT} stored from {args.facts} in {len(NOTEBOOKS)} notebooks")
+        return
+    if args.check:
         problems = mismatches()
         print("\n".join(problems) or f"badges and set-up cells agree with {repo_url()} ({REF})")
         sys.exit(1 if problems else 0)

@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from .. import roofline
+from .. import modes, roofline
 from ..backend import Backend, CompileCount
 from ..decode import Decoder, kv_buffers
 from ..draft import draft_bytes
@@ -16,12 +16,12 @@ from ..fused import fuse_projections
 from ..qlinear import keep_linears_compressed
 from ..qtable import keep_embed_in_4bit
 from ..roofline import KDecoder
+from ..timing import time_fn
 from . import audits, measure, programs, sources
 from .e2b import kv_cache_bytes
 from .measure import device_bytes, timed_generate
 from .results import Results
 from .series import Series
-from .timing import time_fn
 
 MODES = "01 execution modes"
 LOADING = "02 loading"
@@ -57,7 +57,7 @@ def timed_columns(backend: Backend, rates: list[float], bytes_per_token: int) ->
 # --- 01 ----------------------------------------------------------------------------------------
 def record_modes(backend: Backend, results: Results, **options) -> list[dict]:
     """Compare the modes and record a row per mode, the source's figure on the compile row."""
-    rows = measure.compare_modes(backend, **options)
+    rows = modes.compare_modes(backend, **options)
     for row in rows:
         results.add(
             MODES,
@@ -160,7 +160,7 @@ def measure_variant(
     """One row of notebook 07: ``series.model`` as it is now, compiled anew (``k`` tokens per call,
     ``options`` for ``torch.compile``) and timed, with what XLA compiled where it dumps it."""
     model = series.model
-    torch._dynamo.reset()  # count this variant's compilations only
+    torch.compiler.reset()  # count this variant's compilations only
     backend.reset_peak_memory()
     options = options or {}
     decoder = KDecoder(model, backend, max_len, k, **options) if k > 1 else Decoder(model, backend, max_len, **options)

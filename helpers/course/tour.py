@@ -91,6 +91,18 @@ def execute(path: pathlib.Path, folder: pathlib.Path, env: dict[str, str]) -> fl
     return time.perf_counter() - start
 
 
+def summary(results: Results) -> None:
+    """The run's table, the steps whose repeats disagree, and the closing charts, saved in the run folder."""
+    print(results.table(COLUMNS))
+    noisy = [f"{r['step']} ({r['tok_s_spread']:.2f}x)" for r in results.rows() if (r.get("tok_s_spread") or 1) > NOISY]
+    if noisy:  # a busy machine: ratios between steps timed minutes apart are not to be trusted
+        print(
+            f"repeats disagree by more than {NOISY}x (fastest / slowest of 3) in: {', '.join(noisy)}; "
+            "rerun with nothing else running before comparing steps"
+        )
+    closing_charts(results)
+
+
 def main(argv: list[str] | None = None) -> Results:
     parser = argparse.ArgumentParser(prog="python -m helpers.course.tour", description=__doc__.splitlines()[0])
     parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected, or $HELPERS_BACKEND)")
@@ -107,14 +119,7 @@ def main(argv: list[str] | None = None) -> Results:
     for path in tqdm(chosen, desc="tour", unit="notebook"):
         seconds = execute(path, folder, env)
         tqdm.write(f"== {path.stem}: {seconds:.0f} s, saved with its outputs in {folder / path.name}")
-    print(results.table(COLUMNS))
-    noisy = [f"{r['step']} ({r['tok_s_spread']:.2f}x)" for r in results.rows() if (r.get("tok_s_spread") or 1) > NOISY]
-    if noisy:  # a busy machine: ratios between steps timed minutes apart are not to be trusted
-        print(
-            f"repeats disagree by more than {NOISY}x (fastest / slowest of 3) in: {', '.join(noisy)}; "
-            "rerun with nothing else running before comparing steps"
-        )
-    closing_charts(results)
+    summary(results)
     print(f"results, charts and executed notebooks in {folder}/")
     return results
 
