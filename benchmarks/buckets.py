@@ -2,7 +2,7 @@
 source's 131,328 positions, one buffer (a static shape: every step reads the whole buffer)
 against a few compiled buffer lengths (``RingDecoder(buckets=...)``: a step reads the smallest
 bucket that holds its context), side by side in one run, on the synthetic E2B
-(``helpers.course.synthetic``: the real shapes, random weights) as notebook 06 leaves it (4-bit
+(``helpers.course.offline``: the real shapes, random weights) as notebook 06 leaves it (4-bit
 per-layer table, grouped attention, bf16).
 
     python benchmarks/buckets.py [--contexts 2048 16384 131000] [--buckets 8192 32768] [--steps 8]
@@ -27,17 +27,13 @@ import torch  # noqa: E402
 
 import helpers
 from helpers import decode, roofline  # noqa: E402
-from helpers.course import (
-    e2b,  # noqa: E402
-    measure,  # noqa: E402  # noqa: E402
-)
-from helpers.course.results import run_dir  # noqa: E402
+from helpers.course import e2b, measure  # noqa: E402
+from helpers.course.offline import SYNTHETIC  # noqa: E402
+from helpers.course.report import fmt_bytes, run_dir, table  # noqa: E402
 from helpers.course.series import load_for_series  # noqa: E402
-from helpers.course.synthetic import SYNTHETIC  # noqa: E402
-from helpers.course.tables import fmt_bytes, table
-from helpers.timing import time_fed
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
+from helpers.timing import time_fed
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--contexts", type=int, nargs="+", default=[2_048, 16_384, 131_000])

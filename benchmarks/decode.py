@@ -25,17 +25,12 @@ from cpu_model import cpu_model
 import helpers
 from helpers import decode as d
 from helpers import generate, roofline
-from helpers.course import (
-    e2b,
-    measure,
-    twin,
-    verdict,
-)
+from helpers.course import e2b, measure, offline, verdict
 from helpers.course.measure import compiled_forward
-from helpers.course.tables import table
-from helpers.timing import time_fn
+from helpers.course.report import table
 from helpers.fused import fuse_projections
 from helpers.qlinear import QLinear
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--tokens", type=int, default=64)
@@ -49,7 +44,7 @@ model = cpu_model()
 with torch.no_grad():  # QAT's grid: the compressed linears then hold the same weights exactly
     for module in model.modules():
         if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-            module.weight.copy_(twin.on_grid(module.weight)[0])
+            module.weight.copy_(offline.on_grid(module.weight)[0])
 print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters, float32, on the CPU")
 ids = torch.randint(3, 8192, (1, 48))
 n, max_len = args.tokens, d.PREFILL_BUCKETS[2] + args.tokens + args.k

@@ -17,7 +17,7 @@ import torch
 import helpers
 from helpers import decode, draft, generate, ring, roofline
 from helpers.course import hub, series
-from helpers.course.tables import table
+from helpers.course.report import table
 from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,5 +1,5 @@
 """The series at full size: load -> 03 -> 04 -> 05 -> 06 -> 07 in bf16, on a synthetic checkpoint
-with Gemma 4 E2B's real shapes, tensor names, dtypes and file set (``helpers.course.synthetic``: random
+with Gemma 4 E2B's real shapes, tensor names, dtypes and file set (``helpers.course.offline``: random
 weights, so the tokens mean nothing; the bytes, the times and the programs are E2B's).
 
     python benchmarks/full_size.py [--backend cpu|cuda] [--tokens 32] [--variants ...] [--until 07] [--run-dir runs/full_size]
@@ -36,13 +36,12 @@ import helpers  # noqa: E402
 from helpers import decode  # noqa: E402
 from helpers.course import audits, e2b, hub, measure, sources, steps  # noqa: E402
 from helpers.course.measure import compiled_forward  # noqa: E402
-from helpers.course.results import Results, run_dir  # noqa: E402
+from helpers.course.offline import SYNTHETIC  # noqa: E402
+from helpers.course.report import Results, fmt_bytes, run_dir, table  # noqa: E402
 from helpers.course.series import Series, load_for_series, save_reference  # noqa: E402
-from helpers.course.synthetic import SYNTHETIC  # noqa: E402
-from helpers.course.tables import fmt_bytes, table
-from helpers.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
 from helpers.qtable import keep_table_in_4bit  # noqa: E402
 from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
+from helpers.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="cpu or cuda (default: detected, or $HELPERS_BACKEND)")

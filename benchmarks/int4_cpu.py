@@ -18,14 +18,11 @@ import statistics
 import torch
 
 import helpers
-from helpers.course import (
-    e2b,
-    measure,
-)
-from helpers.course.tables import table
-from helpers.timing import time_fn
+from helpers.course import e2b, measure
+from helpers.course.report import table
 from helpers.packed import GROUP_SIZE
 from helpers.qlinear import QLinear
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=5)

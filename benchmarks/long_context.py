@@ -14,7 +14,7 @@ from cpu_model import cpu_model
 import helpers
 from helpers import ring
 from helpers.course import measure
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048, 8192])

@@ -17,9 +17,9 @@ from cpu_model import cpu_model
 
 import helpers
 from helpers.course import measure  # noqa: E402
-from helpers.course.tables import table
-from helpers.timing import time_fn
+from helpers.course.report import table
 from helpers.int4 import GROUP_SIZE, dequantize
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--rounds", type=int, default=5)

@@ -9,7 +9,7 @@ machines are shared and noisy: compare ratios, not wall times across runs).
 import argparse
 
 import helpers
-from helpers.course.tables import table
+from helpers.course.report import table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="tpu, xla, cuda or cpu (default: detected)")

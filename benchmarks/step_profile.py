@@ -1,6 +1,6 @@
 """Where a decode step's time goes at E2B's size: notebook 04's compiled step against HF's own
 recipe (``generate`` with its static cache and the forward compiled), side by side in one run on
-the synthetic E2B (``helpers.course.synthetic``: the real shapes, random weights), each profiled over
+the synthetic E2B (``helpers.course.offline``: the real shapes, random weights), each profiled over
 the same count of steps with torch.profiler: the ops and kernels with the most time of their
 own, their counts, and each loop's tok/s. Notebook 04's step runs twice: with the 256-position
 cache it was measured with, and with its cache sized to the run as HF sizes its own
@@ -27,10 +27,10 @@ from torch.profiler import profile
 
 import helpers
 from helpers import decode
-from helpers.course import hub
+from helpers.course import hub, measure
 from helpers.course.measure import compiled_forward
+from helpers.course.offline import SYNTHETIC
 from helpers.course.series import load_for_series
-from helpers.course.synthetic import SYNTHETIC
 from helpers.generate import StepStreamer, greedy_config
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -66,14 +66,14 @@ def hf_run():
 def report(name: str, prof, seconds: list[float]):
     per_token = sorted(seconds)[len(seconds) // 2]
     print(f"\n== {name}: {1 / per_token:.2f} tok/s (median of {len(seconds)} steps)")
-    print(prof.key_averages().table(sort_by=backend.profiler_sort, row_limit=args.rows))
+    print(prof.key_averages().table(sort_by=measure.profiler_sort(backend), row_limit=args.rows))
 
 
 with compiled_forward(model):
     start = time.perf_counter()
     hf_run()  # compiles the forward
     print(f"HF's recipe compiled in {time.perf_counter() - start:.0f} s")
-    with profile(activities=backend.profiler_activities) as hf_prof:
+    with profile(activities=measure.profiler_activities(backend)) as hf_prof:
         streamer = hf_run()
     hf_seconds = streamer.step_seconds[1:]  # after the prefill's token
 torch.compiler.reset()
@@ -101,7 +101,7 @@ for max_len in args.max_len or (256, decode.cache_length(ids.shape[1] + tokens))
     start = time.perf_counter()
     decoder.generate(ids, 2)  # compiles the prefill bucket and the step
     print(f"\nnotebook 04's step, {max_len} positions, compiled in {time.perf_counter() - start:.0f} s")
-    with profile(activities=backend.profiler_activities) as our_prof:
+    with profile(activities=measure.profiler_activities(backend)) as our_prof:
         ours = our_run(decoder)
     report(f"notebook 04's compiled step, a static cache of {max_len} positions", our_prof, ours)
     del decoder

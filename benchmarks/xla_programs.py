@@ -1,7 +1,7 @@
 """The series' compiled programs at E2B's shapes, as XLA compiles them (issue 25): for each
 program notebooks 04-07 hand the compiler (the prefill and the decode step of each model, the
 ring's prefill chunk and step at 131,328 positions, notebook 07's variants), the audit of
-``helpers.course.programs``: 64-bit integer ops, the KV cache buffers aliased input to output (and
+``helpers.course.audits``: 64-bit integer ops, the KV cache buffers aliased input to output (and
 the bytes copied per call where not), the largest intermediate, and the program's memory as
 XLA's buffer assignment sizes it (inputs, outputs, temporaries: the most it holds at once),
 beside the 15.75 GiB a TPU v5e-1 gives programs (``helpers.backend.V5E_HBM_BYTES``); the CPU compiler's
@@ -20,6 +20,7 @@ default, built once into the cache; ``tiny``: the twin, in a minute).
 
 import argparse
 import os
+import pathlib
 import time
 
 os.environ.setdefault("HELPERS_BACKEND", "xla")
@@ -30,9 +31,9 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import helpers  # noqa: E402
 from helpers import decode, roofline  # noqa: E402
-from helpers.course import e2b, hub, programs  # noqa: E402
-from helpers.course.synthetic import SYNTHETIC  # noqa: E402
-from helpers.course.tables import fmt_bytes, table  # noqa: E402
+from helpers.course import audits, e2b, hub  # noqa: E402
+from helpers.course.offline import SYNTHETIC  # noqa: E402
+from helpers.course.report import fmt_bytes, table  # noqa: E402
 from helpers.fused import fuse_projections  # noqa: E402
 from helpers.qlinear import keep_linears_compressed  # noqa: E402
 from helpers.qtable import QTable, keep_embed_in_4bit  # noqa: E402
@@ -64,7 +65,7 @@ if not backend.lazy:
 folder = helpers.backend.dump_folder()
 checkpoint = hub.choose_checkpoint(backend)
 print(helpers.course.hub.describe(backend))
-print(checkpoint, "| XLA dumps into", folder)
+print(checkpoint, "| XLA dumps into a temporary folder,", pathlib.Path(folder).name)  # no machine path in the output
 
 config = AutoConfig.from_pretrained(checkpoint.path).get_text_config()
 with torch.device("meta"):
@@ -85,16 +86,16 @@ whole = f"{config.vocab_size},{config.hidden_size}"  # the main table's shape, a
 def audit(what: str, decoder) -> None:
     """Compile ``decoder``'s programs (a run of a few tokens) and add a row for each."""
     torch.compiler.reset()
-    shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
+    shapes = {audits.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
     start = time.perf_counter()
-    with programs.captured(folder) as compiled:
+    with audits.captured(folder) as compiled:
         decoder.generate(ids, 1 + 2 * getattr(decoder, "tokens_per_call", 1), stop_ids=())
     seconds = time.perf_counter() - start
     for program in compiled:
-        row = programs.audit(program, shapes)
+        row = audits.audit(program, shapes)
         if not row["cache_buffers"]:
             continue  # not one of the decoder's programs (a copy, a seed)
-        step = any(s.startswith("s64[1,1]") for s in programs.parameters(program.hlo).values())  # fed one token
+        step = any(s.startswith("s64[1,1]") for s in audits.parameters(program.hlo).values())  # fed one token
         rows.append(
             {
                 "what": what,
@@ -115,7 +116,7 @@ def audit(what: str, decoder) -> None:
                 "bytes": row["total_bytes"],
                 "table_made_whole": any(
                     shape.split("{")[0] in (f"f32[{whole}]", f"bf16[{whole}]")
-                    for allocation in programs.temporaries(program)
+                    for allocation in audits.temporaries(program)
                     for _, _, _, shape in allocation
                 ),
                 "first_run_s": round(seconds, 1),

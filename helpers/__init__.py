@@ -8,7 +8,7 @@ import importlib
 import importlib.util
 import os
 
-from .course.tpu import TPU_PCI_DEVICES, tpu_chips, tpu_scan  # noqa: F401  (cheap: no torch)
+from .chips import TPU_PCI_DEVICES, tpu_chips, tpu_scan  # noqa: F401  (cheap: no torch)
 
 if not tpu_chips():
     # Without a TPU, a libtpu client would query the cloud metadata server for minutes, and
@@ -40,15 +40,15 @@ def add_to_class(cls):
 _EXPORTS = {
     "install_missing": "course.setup",
     "BackendError": "backend",
-    "get_backend": "course.hub",
+    "get_backend": "backend",
     "op_stack": "modes",
     "compare_modes": "modes",
     "shape_demo": "modes",
     "time_fn": "timing",
-    "Results": "course.results",
-    "run_dir": "course.results",
+    "Results": "course.report",
+    "run_dir": "course.report",
     "choose_checkpoint": "course.hub",
-    "build_tiny_twin": "course.twin",
+    "build_tiny_twin": "course.offline",
 }
 
 
@@ -56,6 +56,7 @@ _MODULES = {
     "backend",
     "chat",
     "checkpoint",
+    "chips",
     "course",
     "decode",
     "draft",

@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch._inductor.config as inductor_config
 
+from .chips import tpu_scan
+
 BACKENDS = ("tpu", "xla", "cuda", "cpu")
 MODES = ("eager", "defer_and_fuse", "compile")
 ENV_VAR = "HELPERS_BACKEND"
@@ -172,12 +174,6 @@ class Backend:
         return self.name == "tpu" or (self.lazy and os.environ.get("PJRT_DEVICE") == "TPU")
 
     @property
-    def default_model(self) -> str:
-        """What the series loads unless told: E2B on a TPU, E2B if it fits on a CUDA GPU (a Colab T4 or L4), else the
-        twin."""
-        return {"tpu": "e2b", "cuda": "e2b if it fits"}.get(self.name, "twin")
-
-    @property
     def load_device_map(self) -> dict[str, str]:
         """``from_pretrained``'s ``device_map``: transformers places nothing on a TPU by itself; accelerate cannot place
         onto XLA devices, so there ``place`` moves the model."""
@@ -217,25 +213,9 @@ class Backend:
         return not self.lazy
 
     @property
-    def published_bandwidth(self) -> tuple[float, str] | None:
-        """On a TPU, Google's published bandwidth, used in place of a measurement (None elsewhere)."""
-        return (V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s") if self.on_tpu else None
-
-    @property
     def xla_dump_folder(self):
         """Where XLA dumps its programs: on xla started with ``HELPERS_XLA_AUDIT=1``."""
         return dump_folder() if self.lazy else None
-
-    @property
-    def profiler_activities(self) -> list:
-        """What torch.profiler records: the host, and on cuda the kernels; on tpu and xla only the host's side."""
-        from torch.profiler import ProfilerActivity
-
-        return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.name == "cuda" else [])
-
-    @property
-    def profiler_sort(self) -> str:
-        return "self_cuda_time_total" if self.name == "cuda" else "self_cpu_time_total"
 
     def sync(self) -> None:
         """Wait for every queued device op. On a TPU ``torch.accelerator.synchronize`` launches deferred ops
@@ -246,12 +226,20 @@ class Backend:
             torch.accelerator.synchronize()
 
     def memory(self) -> dict[str, int] | None:
-        """``{"in_use", "peak"}`` bytes from the backend's own counters (None on cpu)."""
+        """``{"in_use", "peak", "total"}`` bytes from the backend's own counters (None on cpu); a TPU's total from
+        TorchTPU's table by chip kind, failing that ``V5E_HBM_BYTES``."""
         if self.name in ("tpu", "cuda"):
-            return {"in_use": torch.accelerator.memory_allocated(), "peak": torch.accelerator.max_memory_allocated()}
+            used = {"in_use": torch.accelerator.memory_allocated(), "peak": torch.accelerator.max_memory_allocated()}
+            if self.name == "cuda":
+                return used | {"total": torch.cuda.get_device_properties(self.device).total_memory}
+            try:
+                return used | {"total": torch.tpu.get_device_properties(self.device).total_memory}
+            except (AttributeError, RuntimeError):
+                return used | {"total": V5E_HBM_BYTES}
         if self.name == "xla":
             info = self._xla_memory_info()
-            return info and {"in_use": info["bytes_used"], "peak": info.get("peak_bytes_used", info["bytes_used"])}
+            peak = info and info.get("peak_bytes_used", info["bytes_used"])
+            return info and {"in_use": info["bytes_used"], "peak": peak, "total": info.get("bytes_limit")}
         return None
 
     def _xla_memory_info(self) -> dict | None:
@@ -267,29 +255,6 @@ class Backend:
     def reset_peak_memory(self) -> None:
         if self.name in ("tpu", "cuda"):
             torch.accelerator.reset_peak_memory_stats()
-
-    def memory_total(self) -> int | None:
-        """Device memory as reported (None on cpu); on a TPU TorchTPU's table by chip kind, failing that
-        ``V5E_HBM_BYTES``."""
-        if self.name == "cuda":
-            return torch.cuda.get_device_properties(self.device).total_memory
-        if self.name == "tpu":
-            try:
-                return torch.tpu.get_device_properties(self.device).total_memory
-            except (AttributeError, RuntimeError):
-                return V5E_HBM_BYTES
-        if self.name == "xla":
-            return (self._xla_memory_info() or {}).get("bytes_limit")
-        return None
-
-    def free_bytes(self) -> int | None:
-        """Free device memory; available host RAM on cpu; None where unknown."""
-        total = self.memory_total()
-        if total is not None:
-            return total - (self.memory() or {"in_use": 0})["in_use"]
-        if self.name == "cpu":
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-        return None
 
     def _check_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -332,7 +297,7 @@ class Backend:
 
     def donate(self, *tensors: torch.Tensor) -> None:
         """Inside a compiled function: ``tensors`` written in place (a KV cache) lend their buffers to its outputs.
-        PyTorch/XLA aliases only inputs marked so, else it copies them every call (``helpers.course.programs``);
+        PyTorch/XLA aliases only inputs marked so, else it copies them every call (``helpers.course.audits``);
         TorchTPU 0.2.0 has no such mark (its sources: mutated inputs come back as new buffers); inductor writes in
         place by itself."""
         if self.name == "xla":
@@ -431,9 +396,24 @@ class Backend:
 
 
 def get_backend(name: str | None = None) -> Backend:
-    """The backend named here, else by ``$HELPERS_BACKEND``, else the detected one."""
-    name = name or os.environ.get(ENV_VAR) or detect()
+    """The backend named here, else by ``$HELPERS_BACKEND``, else the detected one. Picked by itself, it first checks
+    this machine: a TPU chip TorchTPU did not bring up raises (host numbers must not pass for a TPU's), one it cannot
+    drive is named."""
+    asked = name or os.environ.get(ENV_VAR)
+    name = asked or detect()
     if name not in BACKENDS:
         raise BackendError(f"unknown backend {name!r}: pick one of {', '.join(BACKENDS)} (or unset {ENV_VAR}).")
+    if not asked and name in ("cuda", "cpu"):  # picked by itself: a TPU chip here would go unused
+        chips, not_driven = tpu_scan()
+        if not_driven and not chips:
+            warnings.warn(
+                "a TPU is here that TorchTPU cannot drive, so it is not used: " + "; ".join(not_driven), stacklevel=2
+            )
+        if chips:
+            raise BackendError(
+                f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "
+                "set-up cell (it installs torch_tpu), restart the runtime if it says so (Runtime > Restart session), "
+                f"then run all cells; to run on the host instead, set {ENV_VAR}=cpu."
+            )
     _check_available(name)
     return Backend(name)

@@ -43,7 +43,7 @@
 # `pip install -r requirements.txt`: it then installs nothing.
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -56,7 +56,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -118,6 +118,13 @@ def op_input(backend: Backend, size: int) -> torch.Tensor:
     return x
 
 
+# %%
+traced = torch.fx.symbolic_trace(lambda x: op_stack(x))  # the ops one call runs, as torch records them
+ops = [node.target.__name__ for node in traced.graph.nodes if node.op == "call_function"]
+print(f"{len(ops)} ops a call: " + ", ".join(f"{ops.count(op)} x {op}" for op in dict.fromkeys(ops)))
+assert len(ops) == 30
+# NBVAL_CHECK_OUTPUT
+
 # %% [markdown]
 # ## Three modes, side by side
 # **What we test:** every mode gives the same numbers; the timings are this run's own
@@ -165,7 +172,7 @@ def compare_modes(backend: Backend, size: int = 256, warmup: int = 3, repeats: i
 # %%
 results = helpers.Results()
 rows = helpers.course.steps.record_modes(backend, results)
-print(helpers.course.tables.table(rows))
+print(helpers.course.report.table(rows))
 
 x = torch.randn(256, 256).to(backend.device)
 outs = [backend.in_mode(op_stack, mode)(x).cpu() for mode in backend.modes]
@@ -215,7 +222,7 @@ for mode in backend.modes:
     if mode == "eager":
         continue
     demo = helpers.shape_demo(backend, mode, sizes=(64, 64, 128, 128, 96))
-    print(f"-- {mode}\n" + helpers.course.tables.table(demo))
+    print(f"-- {mode}\n" + helpers.course.report.table(demo))
     assert [r["new_compilations"] for r in demo] == [1, 0, 1, 0, 1], demo
 
 # %% [markdown]
@@ -237,9 +244,9 @@ for mode in backend.modes:
 # @title Solution 1 (open it after you predicted)
 # Eager pays a launch per op whatever the size, so it grows by less than the bytes while launches
 # dominate; one fused program pays for its bytes, so it grows nearer four times.
-bigger = helpers.course.measure.compare_modes(backend, size=512, repeats=5)
+bigger = compare_modes(backend, size=512, repeats=5)
 print(
-    helpers.course.tables.table(
+    helpers.course.report.table(
         [{"mode": a["mode"], "ms at 256": a["median_ms"], "ms at 512": b["median_ms"]} for a, b in zip(rows, bigger)]
     )
 )

@@ -39,7 +39,7 @@
 # says how (the Colab secret `HF_TOKEN`, or `huggingface_hub.login()`).
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -52,7 +52,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -118,7 +118,7 @@ print(helpers.course.hub.describe(backend))
 # the model ties `lm_head` to `embed_tokens`.
 
 # %%
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 print(table(helpers.course.audits.name_map(checkpoint.path)))
 print("mapping given to from_pretrained(key_mapping=...):", helpers.packed.KEY_MAPPING)
@@ -249,7 +249,7 @@ def by_kind(report):
     return {k: sum(r["bytes"] for r in report if r["kind"] == k) for k in dict.fromkeys(r["kind"] for r in report)}
 
 
-fig = helpers.course.charts.stacked_bars(
+fig = helpers.course.report.stacked_bars(
     {
         "default,\nafter load": by_kind(after_load),
         "default,\nafter 1st forward": by_kind(after_forward),

@@ -36,7 +36,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -49,7 +49,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -138,7 +138,7 @@ for mode, call in calls.items():
     )
     print(f"{mode}: first call {sum(call['first']):.2f} s, second call {sum(call['second']):.2f} s{counted}")
 counts = {f"{m}, first call": c["programs_first"] for m, c in calls.items() if c["programs_first"][0] is not None}
-fig = helpers.course.charts.step_plot(
+fig = helpers.course.report.step_plot(
     {f"{m}, {k} call": c[k] for m, c in calls.items() for k in ("first", "second")},
     f"HF generate, {checkpoint.name} on {backend.name}: seconds per step (this run)",
     counts or None,
@@ -165,7 +165,7 @@ if "defer_and_fuse" in calls:
 # anything was compiled from this run, not from its documentation.
 
 # %%
-widget = helpers.course.widgets.text_widget()
+widget = helpers.course.report.text_widget()
 with backend.compile_counter() as compiled:
     streamed, streamer, out = helpers.generate.generate(model, tokenizer, ids, backend, new_tokens, widget=widget)
 print(
@@ -263,7 +263,7 @@ print(f"  cache_implementation='static' ({type(out.past_key_values).__name__}): 
 # On Colab each notebook gets a fresh runtime and a fresh `/content`, so a run folder there
 # lasts one notebook. Mount Google Drive first (`from google.colab import drive;
 # drive.mount("/content/drive")`, before the set-up cell) and the run folder is
-# `MyDrive/gemma4-on-tpu/runs` (`helpers.course.results.DRIVE_RUNS`): these tokens and the results
+# `MyDrive/gemma4-on-tpu/runs` (`helpers.course.report.DRIVE_RUNS`): these tokens and the results
 # table then carry to notebooks 04-07 and their closing charts show every step. Without it,
 # each later notebook makes the reference tokens again (it says so) and charts its own rows.
 

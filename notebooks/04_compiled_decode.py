@@ -34,7 +34,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -47,7 +47,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -97,7 +97,7 @@ import torch
 
 with torch.no_grad():
     model(ids)  # the first forward: compressed-tensors decompresses here, as in notebook 02
-print(helpers.course.tables.table(helpers.checkpoint.compression_report(model)))
+print(helpers.course.report.table(helpers.checkpoint.compression_report(model)))
 try:
     helpers.decode.Decoder(model, backend, MAX_LEN).generate(ids, 2)
     print("compiled as is: nothing in the way on this backend (loaded with dequantize=True)")
@@ -437,7 +437,7 @@ assert sum(counts) > 1
 # reads. Inductor (CPU, GPU) writes in place by itself. PyTorch/XLA aliases a compiled graph's
 # input only when the graph marks it a buffer donor, which `Decoder.step` and the prefill do
 # through `Backend.donate`. On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, XLA dumps
-# what it compiles (its [HLO](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#hlo)) and the cell reads it (`helpers.course.programs`): per program, the cache buffers,
+# what it compiles (its [HLO](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#hlo)) and the cell reads it (`helpers.course.audits`): per program, the cache buffers,
 # how many are aliased, the bytes copied per call.
 #
 # On a TPU, TorchTPU's `torch.compile` backend does not write the cache in place. Its sources
@@ -454,17 +454,28 @@ assert sum(counts) > 1
 # writes in place, 3 or more if each call's cache is copied back.
 
 # %%
+e2b = helpers.course.e2b.real_config().get_text_config()
+keeping = e2b.num_hidden_layers - e2b.num_kv_shared_layers  # the layers that keep K/V of their own
+ring = helpers.course.e2b.kv_cache_bytes(e2b, helpers.course.e2b.CONTEXT, ring=True)
+print(
+    f"E2B: a step writes {2 * keeping} K/V buffers ({keeping} layers keep their own); at {helpers.course.e2b.CONTEXT:,}"
+    f" positions they hold {helpers.course.report.fmt_bytes(ring)} (notebook 06's ring): copied back after every call,"
+    f" {helpers.course.report.fmt_bytes(2 * ring)} more read and written a token"
+)
+# NBVAL_CHECK_OUTPUT
+
+# %%
 helpers.show(helpers.backend.Backend.donate)
 audit_folder = backend.xla_dump_folder
 if audit_folder:
     torch.compiler.reset()
-    with helpers.course.programs.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
+    with helpers.course.audits.captured(audit_folder) as programs:  # another length: XLA compiles anew, and dumps
         audited = Decoder(model, backend, 2 * MAX_LEN)
         audited.generate(ids, 4)
-    shapes = {helpers.course.programs.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
-    audit = [row for row in (helpers.course.programs.audit(p, shapes) for p in programs) if row["cache_buffers"]]
+    shapes = {helpers.course.audits.hlo_shape(t) for t in helpers.decode.kv_buffers(audited.cache)}
+    audit = [row for row in (helpers.course.audits.audit(p, shapes) for p in programs) if row["cache_buffers"]]
     print(
-        helpers.course.tables.table(
+        helpers.course.report.table(
             audit, ["program", "cache_buffers", "cache_aliased", "cache_bytes_copied", "s64_ops", "total_bytes"]
         )
     )
@@ -538,9 +549,9 @@ rows = [
 for row in rows:
     row["speedup_vs_hf"] = row["decode_tok_s"] / hf["decode_tok_s"]
     row |= helpers.roofline.columns(step_bytes, row["decode_tok_s"], bandwidth)
-print(helpers.course.tables.table(rows))
+print(helpers.course.report.table(rows))
 print(
-    f"bytes read per step: {helpers.course.tables.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})"
+    f"bytes read per step: {helpers.course.report.fmt_bytes(step_bytes)}; read bandwidth: {bandwidth / 1e9:.1f} GB/s ({how})"
 )
 assert all(series.same_tokens(run["tokens"]) for run in runs.values())
 
@@ -601,6 +612,6 @@ print(f"ceiling {ceiling:.0f} tok/s; measured {ours[16]:.1f}: {100 * ours[16] / 
 longer = helpers.decode.static_cache(model, 4 * MAX_LEN)  # allocated, not compiled
 more = helpers.roofline.step_bytes(model, longer) - step_bytes
 print(
-    f"{helpers.course.tables.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
+    f"{helpers.course.report.fmt_bytes(more)} more per step: ceiling {bandwidth / step_bytes:.0f} ->"
     f" {bandwidth / (step_bytes + more):.0f} tok/s on this device"
 )

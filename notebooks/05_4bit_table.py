@@ -34,7 +34,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -47,7 +47,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -108,7 +108,7 @@ rate_bf16_table = helpers.course.measure.timed_generate(decoder, ids, timed_toke
 # padding.
 
 # %%
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 e2b = {
     r["component"]: r
@@ -291,7 +291,7 @@ if before is not None:
 print(table(helpers.course.audits.memory_report(model)))
 
 # %%
-fig = helpers.course.charts.stacked_bars(
+fig = helpers.course.report.stacked_bars(
     helpers.course.e2b.bytes_by_step(), "E2B device bytes by component (computed, meta device)"
 )
 # NBVAL_CHECK_OUTPUT

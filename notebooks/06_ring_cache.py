@@ -41,7 +41,7 @@
 # Notebook 05's model: wrappers stripped, per-layer table in 4-bit.
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -54,7 +54,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -84,7 +84,7 @@ helpers.install_missing()
 # %%
 import torch
 
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.course.series.prepare(backend, after=5)  # notebook 05's model: stripped, the per-layer table in 4-bit
@@ -110,7 +110,7 @@ print(
 )
 assert ring_e2b == 813_170_688 and full_e2b == 2_420_637_696
 weights_e2b = {k: v for k, v in helpers.course.e2b.bytes_by_step()["05 4-bit table"].items() if k != "KV cache"}
-fig = helpers.course.charts.stacked_bars(
+fig = helpers.course.report.stacked_bars(
     {"full-length caches": weights_e2b | {"KV cache": full_e2b}, "ring cache": weights_e2b | {"KV cache": ring_e2b}},
     f"E2B device bytes at {E2B_CONTEXT:,} positions (computed, meta device)",
 )
@@ -603,7 +603,7 @@ sweep = helpers.course.measure.context_sweep(
     big, contexts, steps=8, hf_default=not backend.defers_ops, bucketed=bucketed
 )
 print(table(sweep))
-fig = helpers.course.charts.plot_sweep(sweep, f"{checkpoint.name} on {backend.name}: measured in this run")
+fig = helpers.course.report.plot_sweep(sweep, f"{checkpoint.name} on {backend.name}: measured in this run")
 assert [r["buckets bytes read"] for r in sweep] == sorted(r["buckets bytes read"] for r in sweep)  # bucket by bucket
 assert all(r["ring bytes read"] == sweep[0]["ring bytes read"] for r in sweep)  # one length: the same every step
 
@@ -629,7 +629,7 @@ print(
         ["step", "label", "backend", "decode_tok_s", "source_tok_s", "device_bytes", "compiles", "same_tokens"]
     )
 )
-figs = helpers.course.charts.closing_charts(results)
+figs = helpers.course.report.closing_charts(results)
 
 # %% [markdown]
 # **What you should see:** the E2B cache at 813,170,688 bytes for 131,328 positions (a third

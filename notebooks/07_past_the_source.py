@@ -43,7 +43,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -56,7 +56,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -85,7 +85,7 @@ helpers.install_missing()
 
 # %%
 
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.course.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
@@ -125,7 +125,7 @@ padding = sum(  # the two tables' rows padded to 128 words, beyond their codes a
 )
 print(f"best variant: weights {fmt_bytes(best['weights_on_device'])}, of which padding {fmt_bytes(padding)}")
 assert best["weights_on_device"] - padding < 2.8e9 and best["bytes_per_token"] < 1.4e9
-fig = helpers.course.charts.ceiling_chart(
+fig = helpers.course.report.ceiling_chart(
     figures,
     measured={  # the source's figures, each from its step's module
         "03 baseline generate": helpers.course.sources.HF_GENERATE_TOK_S,
@@ -478,12 +478,12 @@ assert all(r["same_tokens"] for r in rows if not r["kernel"]), "every exact vari
 for r in rows:  # torch's kernels round no product to bf16 as the checkpoint's values are: their verdict, shown
     if r["kernel"]:
         print(f"{r['variant']}, through torch's {r['kernel']} kernel: {r['verdict']}")
-fig = helpers.course.charts.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
+fig = helpers.course.report.variant_chart(rows, f"notebook 07, {series.checkpoint.name} on {backend.name}: this run")
 
 # %% [markdown]
 # > **Aside: what XLA's CPU compiler made of these programs** (PyTorch/XLA readers; a TPU
 # > reader may skip it). On the `xla` backend started with `HELPERS_XLA_AUDIT=1`, each row also
-# > carries what XLA compiled (notebook 04's audit, `helpers.course.programs`): 64-bit integer ops left
+# > carries what XLA compiled (notebook 04's audit, `helpers.course.audits`): 64-bit integer ops left
 # > (transformers' int64 positions and masks; the 4-bit unpack and the sampling noise are
 # > 32-bit), whether every cache buffer is written in place, the largest intermediate buffer
 # > (for the 4-bit head: is the whole main table dequantized, or fused into the matmul?) and the
@@ -551,7 +551,7 @@ print(f"W8A8's quality against bf16 (the suite's score, GSM8K's points): {src.W8
 results = helpers.Results()
 helpers.course.steps.record_variants(results, backend, rows)
 print(results.table(["step", "label", "backend", "decode_tok_s", "pct_of_bw", "same_tokens", "compiles"]))
-figs = helpers.course.charts.closing_charts(results)
+figs = helpers.course.report.closing_charts(results)
 
 # %% [markdown]
 # ## Exercises

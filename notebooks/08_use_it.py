@@ -34,7 +34,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -47,7 +47,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -78,7 +78,7 @@ helpers.install_missing()
 import matplotlib.pyplot as plt
 import torch
 
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.course.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
@@ -246,6 +246,9 @@ class SampledRingDecoder(Sampled, RingDecoder):
 settings = helpers.sampling.sampling_config(temperature=1.0, top_k=64, top_p=0.95)  # pick your own
 sampled = SampledRingDecoder(model, backend, max_len=MAX_LEN, sampling=settings)
 print(sampled.sampler)
+# NBVAL_CHECK_OUTPUT
+
+# %%
 with backend.compile_counter() as first:
     one = sampled.generate(ids, series.new_tokens, seed=0)
 with backend.compile_counter() as again:
@@ -253,7 +256,6 @@ with backend.compile_counter() as again:
 print(table([{"seed": s, "text": tokenizer.decode(t, skip_special_tokens=True)[:70]} for s, t in runs.items()]))
 print(f"graphs compiled: {first.graphs} on the first call (prefill chunk, step), {again.graphs} for three more seeds")
 assert runs[0] == one and again.graphs == 0  # equal lists: the same programs on the same inputs
-# NBVAL_CHECK_OUTPUT
 
 # %% [markdown]
 # **What you should see:** seed 0 twice gives the same text, and nothing compiles after the
@@ -314,7 +316,7 @@ class Stops:
 
 
 # %%
-widget = helpers.course.widgets.text_widget()
+widget = helpers.course.report.text_widget()
 streamer = helpers.generate.StepStreamer(tokenizer, backend, widget)
 stop = "."
 tokens = sampled.generate(
@@ -399,7 +401,7 @@ print("greedy, against the default cache:", verdict)
 assert verdict
 
 # sampled and streamed, with a stop string: generate's own sampling, on the ring
-streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.course.widgets.text_widget())
+streamer = helpers.generate.StepStreamer(tokenizer, backend, helpers.course.report.text_widget())
 torch.manual_seed(0)  # generate draws from torch's generator
 with inside_generate(model):
     out = model.generate(
@@ -500,7 +502,7 @@ assert len(chat.replies) == 2 and chat.status()["context"] == len(chat.tokens)
 # when the notebook runs unattended.)
 
 # %%
-ui = helpers.course.widgets.chat_widget(helpers.chat.Chat(talker, tokenizer, max_new_tokens=series.new_tokens))
+ui = helpers.course.report.chat_widget(helpers.chat.Chat(talker, tokenizer, max_new_tokens=series.new_tokens))
 ui.submit("Hello!")
 
 # %% [markdown]

@@ -47,7 +47,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.publish): fetch the course
+# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os
@@ -60,7 +60,7 @@ COURSE_DIR = os.environ.get("COURSE_DIR", "/content/course")
 
 
 def is_course(folder):  # the course's helpers is a package with its course/ beside its __init__
-    return folder is not None and os.path.isfile(os.path.join(folder, "course", "publish.py"))
+    return folder is not None and os.path.isfile(os.path.join(folder, "course", "setup.py"))
 
 
 spec = importlib.util.find_spec("helpers")
@@ -91,7 +91,7 @@ helpers.install_missing()
 import matplotlib.pyplot as plt
 import torch
 
-from helpers.course.tables import fmt_bytes, table
+from helpers.course.report import fmt_bytes, table
 
 backend = helpers.get_backend()
 series = helpers.course.series.prepare(backend, after=6)  # notebook 06's model: the 4-bit table, attention grouped
@@ -127,7 +127,7 @@ print(f"the assistant: {assistant_folder}")
 
 # %% [markdown]
 # On the twin, the assistant is transformers' class at the twin's widths, trained offline for about
-# two minutes on 2 CPU cores (seeded, cached: `helpers.course.twin_assistant`) to draft the twin's
+# two minutes on 2 CPU cores (seeded, cached: `helpers.course.offline`) to draft the twin's
 # own greedy tokens. The twin knows a few answers by heart, and so does its assistant: its
 # acceptance here is near perfect, far above the real pair's 3.21 tokens per verify, which is
 # why the figures below at full size use the real pair's acceptance, labelled. A random

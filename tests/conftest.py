@@ -1,7 +1,11 @@
 import importlib.util
 import os
+import pathlib
+import shutil
 
 import pytest
+
+from helpers.course.report import RUN_DIR_VAR
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Test workers share the cores: one thread each (their notebooks' kernels inherit it), or
@@ -11,10 +15,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
     torch.set_num_threads(1)
 
+# The notebooks checked end to end by nbval (``pytest -m reader --nbval-lax notebooks tests``): each runs in a kernel of
+# its own, in order, with the machine's default threads, as a reader runs it; the cells marked ``# NBVAL_CHECK_OUTPUT``
+# must print what the committed notebook shows. Their rows go to a fresh run folder, where test_tour.py makes the table
+# and the charts of them.
+NBVAL_RUN_DIR = pathlib.Path(__file__).resolve().parent.parent / "runs" / "nbval"
+
+
+def pytest_configure(config):
+    if getattr(config.option, "nbval_lax", False) and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.option.nbval_current_env = True  # this environment's kernel, whatever kernels the machine lists
+        shutil.rmtree(NBVAL_RUN_DIR, ignore_errors=True)  # this run's rows only
+        NBVAL_RUN_DIR.mkdir(parents=True)
+        os.environ[RUN_DIR_VAR] = str(NBVAL_RUN_DIR)  # the kernels inherit it: every notebook appends its rows here
+
 
 def pytest_collection_modifyitems(config, items):
-    """A reader's run (the tour: every notebook, default threads) is not for a one-thread test
-    worker: there it is skipped, and the README's test command runs it on its own after them."""
+    """A reader's run (every notebook under nbval, default threads) is not for a one-thread test worker: there it is
+    skipped, and the README's test command runs it on its own after them."""
+    for item in items:
+        if type(item).__module__.startswith("nbval"):
+            item.add_marker(pytest.mark.reader)  # a notebook's cell: what `-m reader` selects
     if os.environ.get("PYTEST_XDIST_WORKER"):
         alone = pytest.mark.skip(reason="a reader's run, with default threads: pytest -m reader, after the workers")
         for item in items:
@@ -62,10 +83,10 @@ def packed_table_twin(tmp_path_factory):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from helpers.course import twin
+    from helpers.course import offline
     from helpers.qtable import QTable
 
-    source, folder = twin.build_tiny_twin(), tmp_path_factory.mktemp("twin") / "packed-table"
+    source, folder = offline.build_tiny_twin(), tmp_path_factory.mktemp("twin") / "packed-table"
     shutil.copytree(source, folder)
     tensors = load_file(folder / "model.safetensors")
     key = "model.language_model.embed_tokens_per_layer"

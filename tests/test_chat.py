@@ -7,7 +7,7 @@ import helpers
 from helpers import chat as c
 from helpers import generate as g
 from helpers import ring
-from helpers.course import measure, verdict, widgets
+from helpers.course import measure, report, verdict
 
 TURNS = ["Explain why compilation matters on a TPU, in two sentences.", "And on a GPU?"]
 
@@ -65,7 +65,7 @@ def test_generate_on_the_ring_samples_the_default_caches_tokens_with_a_streamer_
 
 def test_a_ring_cache_given_to_generate_without_the_hooks_says_which_way_to_go(series):
     model = series.model
-    with pytest.raises(ValueError, match="inside `with ring.inside_generate\\(model\\):`"):
+    with pytest.raises(ValueError, match="inside `with helpers.ring.inside_generate\\(model\\):`"):
         model.generate(series.ids, cache=ring.RingCache(model, 128, model.config.sliding_window), max_new_tokens=2)
 
 
@@ -122,7 +122,7 @@ def test_the_chat_widget_streams_a_scripted_turn(conversation, series):
     pytest.importorskip("ipywidgets")
     # a new chat, the cache started over; read back every 2 tokens, so the rate after the first block shows
     chat = c.Chat(conversation[0].decoder, series.tokenizer, max_new_tokens=6, readback_every=2)
-    ui = widgets.chat_widget(chat)
+    ui = report.chat_widget(chat)
     ui.submit(TURNS[0])
     log, live = ui.children[0].value, ui.children[1].value
     assert "tok/s" in log and "context" in log and chat.messages[1]["content"] in log and live == ""

@@ -14,12 +14,12 @@ import torch
 import helpers
 from helpers import checkpoint as ck
 from helpers import generate, packed
-from helpers.course import audits, e2b, hub, series, twin, verdict
+from helpers.course import audits, e2b, hub, offline, series, verdict
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return hub.Checkpoint(str(twin.build_tiny_twin()), None, True, "test")
+    return hub.Checkpoint(str(offline.build_tiny_twin()), None, True, "test")
 
 
 def _one_line(err):
@@ -147,7 +147,7 @@ def _policy_only(name: str):
     from helpers.backend import Backend
 
     backend = object.__new__(Backend)
-    backend.name = name
+    backend.name, backend.device = name, torch.device("cuda" if name == "cuda" else "cpu")
     return backend
 
 
@@ -259,7 +259,8 @@ def test_on_a_gpu_where_the_preflight_fits_googles_checkpoint_is_chosen_else_the
 
 @pytest.mark.parametrize("free", [15_000_000_000, 8_000_000_000, None])
 def test_the_fit_is_the_preflights_estimate_against_the_devices_free_memory(free):
-    device = type("FakeGPU", (), {"name": "cuda", "free_bytes": lambda self: free})()
+    memory = None if free is None else {"in_use": 0, "peak": 0, "total": free}
+    device = type("FakeGPU", (), {"name": "cuda", "device": torch.device("cuda"), "memory": lambda self: memory})()
     fits, numbers = hub.real_model_fits(device)
     needed = e2b.estimate_device_bytes(e2b.real_config(), dequantize=False)
     assert fits == (free is not None and needed <= free) and f"E2B needs ~{needed / 1e9:.1f} GB" in numbers

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 from test_layout import LESSONS, _helpers_imports
 
-from helpers.course import twin
+from helpers.course import offline
 
 ROOT = pathlib.Path(__file__).parent.parent / "helpers"
 # A model of the twin's class and shapes (random weights) and the twin's tokenizer, by transformers
@@ -26,6 +26,7 @@ tok = AutoTokenizer.from_pretrained(FOLDER)
 ids = torch.tensor([[tok.bos_token_id] + tok.encode("Explain why compilation matters", add_special_tokens=False)])
 """
 EXAMPLES = {
+    "chips": "assert lessons.chips.tpu_scan('/no/sysfs', '/no/vfio') == ([], [])  # no TPU: nothing found",
     "backend": "b = lessons.backend.get_backend('cpu')\nassert b.compile(lambda x: x * 2)(torch.ones(2)).tolist() == [2, 2]",
     "packed": "assert lessons.packed.table_row_words(8960) == 1408  # codes, steps, padded to 128 words",
     "int4": "codes = lessons.int4.unpack_rows(torch.tensor([[0x76543210]], dtype=torch.int32))\n"
@@ -64,6 +65,8 @@ EXAMPLES = {
     "    before = model(ids).logits\n"
     "    lessons.fused.fuse_projections(model)\n"
     "    torch.testing.assert_close(model(ids).logits, before)",
+    "timing": "t = lessons.timing.time_fn(lambda x: x + 1, torch.ones(2), sync=lambda: None, warmup=1, repeats=3)\n"
+    "assert len(t.times) == 3 and t.min <= t.median <= t.max and t.last.tolist() == [2, 2]",
     "chat": TWIN + "ring = lessons.ring.RingDecoder(model, lessons.backend.get_backend('cpu'), max_len=256)\n"
     "turn = lessons.chat.Chat(ring, tok, max_new_tokens=4).turn_ids('Hello')\n"
     "assert turn[0] == tok.bos_token_id and 'Hello' in tok.decode(turn)",
@@ -93,7 +96,9 @@ def test_a_lesson_module_copied_alone_runs(module, tmp_path):
     for name in copied:
         shutil.copy(ROOT / f"{name}.py", package)
     imports = "".join(f"import lessons.{name}\n" for name in sorted(copied))
-    script = f"import sys, torch\n{imports}FOLDER = {str(twin.build_tiny_twin())!r}\nCONFIG = {twin.TEXT_CONFIG!r}\n"
+    script = (
+        f"import sys, torch\n{imports}FOLDER = {str(offline.build_tiny_twin())!r}\nCONFIG = {offline.TEXT_CONFIG!r}\n"
+    )
     script += EXAMPLES[module] + "\n"
     script += "assert not [m for m in sys.modules if m.split('.')[0] == 'helpers'], 'the course was imported'\n"
     run = subprocess.run(

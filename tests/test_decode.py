@@ -8,7 +8,7 @@ from helpers import checkpoint as ck
 from helpers import decode as d
 from helpers import generate as g
 from helpers import roofline
-from helpers.course import hub, measure, twin, verdict
+from helpers.course import hub, measure, offline, verdict
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_no_recompile_far_past_the_window_and_for_other_prompts_in_the_bucket(se
 
 def test_the_guard_fails_loudly_on_a_recompile(setup):
     backend, _, tokenizer, _, _, decoder, _, _ = setup
-    longer = ck.chat_ids(tokenizer, backend.device, prompt=twin.PROMPT * 3)  # a bigger prefill bucket
+    longer = ck.chat_ids(tokenizer, backend.device, prompt=offline.PROMPT * 3)  # a bigger prefill bucket
     assert decoder.bucket(longer.shape[1]) > 32
     with pytest.raises(Exception, match="[Rr]ecompil"), measure.no_recompiles():
         decoder.generate(longer, 2)

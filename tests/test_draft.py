@@ -7,10 +7,10 @@ import torch
 from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM, Gemma4TextConfig
 
 from helpers import decode, draft
-from helpers.course import series, twin, twin_assistant, verdict
+from helpers.course import offline, series, verdict
 from helpers.generate import greedy_config
 
-W = twin.TEXT_CONFIG["sliding_window"]
+W = offline.TEXT_CONFIG["sliding_window"]
 MAX_LEN = 128
 
 
@@ -24,7 +24,7 @@ def setup():
     with torch.no_grad():
         model(ids)
     decode.strip_compressed_wrappers(model)
-    assistant = draft.load_assistant(twin_assistant.build_twin_assistant(checkpoint.path), backend, torch.float32)
+    assistant = draft.load_assistant(offline.build_twin_assistant(checkpoint.path), backend, torch.float32)
     reference = verdict.reference_model(checkpoint, torch.float32)
     return backend, model, assistant, reference, ids
 
@@ -202,7 +202,7 @@ def test_hf_assisted_generate_gives_the_targets_tokens(setup):
 
 def test_ordered_embeddings_score_the_top_centroids_tokens_as_hfs_embedder():
     torch.manual_seed(0)
-    text = Gemma4TextConfig(**twin_assistant.TEXT_CONFIG)
+    text = Gemma4TextConfig(**offline.ASSISTANT_CONFIG)
     config = Gemma4AssistantConfig(
         text_config=text,
         backbone_hidden_size=64,
@@ -232,7 +232,7 @@ def test_a_call_is_one_compiled_graph_besides_the_prefill(backend, setup, kind):
     with torch.no_grad():
         model(ids)
     decode.strip_compressed_wrappers(model)
-    folder = twin_assistant.build_twin_assistant(checkpoint.path)
+    folder = offline.build_twin_assistant(checkpoint.path)
     assistant = draft.load_assistant(folder, backend, torch.float32)
     torch.compiler.reset()
     decoder = kind(model, assistant, backend, MAX_LEN, 2)
@@ -250,7 +250,7 @@ def test_a_chat_that_drafts_replies_as_the_one_that_does_not(setup):
     from helpers.chat import Chat
     from helpers.checkpoint import load_tokenizer
     from helpers.course import hub
-    from helpers.course.twin import CHATS
+    from helpers.course.offline import CHATS
     from helpers.ring import RingDecoder
 
     backend, model, assistant, reference, _ = setup

@@ -1,11 +1,11 @@
 """The baseline: greedy HF generate, per-step timing, measurement, reference tokens, the xla trap."""
 
 import pytest
-from conftest import needs_xla
 
+from conftest import needs_xla
 from helpers import checkpoint as ck
 from helpers import generate as g
-from helpers.course import measure, series, twin, verdict
+from helpers.course import measure, offline, series, verdict
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_defer_and_fuse_compiles_every_step_of_a_first_call_and_none_of_a_second
     backend = helpers.get_backend("xla")
     _, model, tokenizer, _ = series.load_for_series(backend)
     # lengths no other test in this process generated: XLA keeps compiled programs per process
-    ids = ck.chat_ids(tokenizer, backend.device, prompt=twin.PROMPT * 4)
+    ids = ck.chat_ids(tokenizer, backend.device, prompt=offline.PROMPT * 4)
     calls = measure.first_and_second_call(model, tokenizer, ids, backend, 4)
     fused = calls["defer_and_fuse"]
     assert all(p > 0 for p in fused["programs_first"]) and sum(fused["programs_second"]) == 0

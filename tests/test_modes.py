@@ -1,5 +1,5 @@
 import helpers
-from helpers.course.results import Results
+from helpers.course.report import Results
 
 
 def test_compare_modes_has_a_row_per_mode_relative_to_eager(backend):

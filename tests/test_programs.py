@@ -13,7 +13,7 @@ import helpers
 from conftest import needs_xla
 from helpers import decode, qlinear, qtable, sampling
 from helpers.backend import AUDIT_VAR, enable_dump
-from helpers.course import programs
+from helpers.course import audits
 from helpers.ring import RingDecoder, group_query_heads
 
 os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this target's process only
@@ -22,10 +22,10 @@ os.environ.setdefault(AUDIT_VAR, "1")  # read when the xla backend starts: this 
 def _audits(decoder, series, **options) -> list[dict]:
     torch.compiler.reset()
     folder = enable_dump()
-    with programs.captured(folder) as compiled:
+    with audits.captured(folder) as compiled:
         tokens = decoder.generate(series.ids, series.new_tokens, **options)
-    shapes = {programs.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
-    rows = [programs.audit(p, shapes) for p in compiled]
+    shapes = {audits.hlo_shape(t) for t in decode.kv_buffers(decoder.cache)}
+    rows = [audits.audit(p, shapes) for p in compiled]
     return tokens, [r for r in rows if r["cache_buffers"]]  # the prefill and the step
 
 
@@ -153,13 +153,13 @@ def test_the_audit_reads_an_hlo_module_and_its_buffer_assignment():
         " value: <5 convert.1 @0> (size=512,offset=0): f32[1,2,16,4]{3,2,1,0}\n"  # p2 in f32, sharing fusion.1's place
         " value: <6 convert.2 @0> (size=512,offset=256): f32[1,2,16,4]{3,2,1,0}\n"
     )
-    row = programs.audit(programs.Program("m", hlo, buffers), {"bf16[1,2,16,4]", "f32[8]"})
+    row = audits.audit(audits.Program("m", hlo, buffers), {"bf16[1,2,16,4]", "f32[8]"})
     assert (row["s64_ops"], row["s64_largest"], row["s64_largest_shape"]) == (2, 4, "s64[4]")  # not the parameter
     assert (row["cache_buffers"], row["cache_aliased"], row["cache_bytes_copied"]) == (2, 1, 32)
     assert (row["largest_intermediate"], row["largest_is"]) == (512, "fusion.1 @0: f32[128]{0}")
     assert (row["parameters_bytes"], row["outputs_bytes"], row["temporaries_bytes"]) == (32, 256, 640)
     assert row["upcast_bytes"] == 768  # two f32 copies of the bf16 input, overlapping by 256 B
-    assert programs.hlo_shape(torch.zeros(1, 2, 16, 4, dtype=torch.bfloat16)) == "bf16[1,2,16,4]"
+    assert audits.hlo_shape(torch.zeros(1, 2, 16, 4, dtype=torch.bfloat16)) == "bf16[1,2,16,4]"
 
 
 @needs_xla

@@ -17,7 +17,7 @@ from helpers import decode as d
 from helpers import generate as g
 from helpers import int4, packed
 from helpers import qtable as q
-from helpers.course import e2b, hub, series, twin, verdict
+from helpers.course import e2b, hub, offline, series, verdict
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def loaded():
 def _grid_table(rows=64, cols=96, dtype=torch.bfloat16):
     table = Gemma4TextScaledWordEmbedding(rows, cols, 0, embed_scale=cols**0.5)
     with torch.no_grad():
-        table.weight.copy_(twin.on_grid(torch.randn(rows, cols))[0])
+        table.weight.copy_(offline.on_grid(torch.randn(rows, cols))[0])
     return table.to(dtype)
 
 

@@ -23,10 +23,10 @@ def test_notebook_06s_grouped_attention_check_passes_with_two_threads():
     prelude = (
         "import torch, helpers\n"
         "from transformers import Gemma4ForCausalLM, Gemma4TextConfig\n"
-        "from helpers.course import twin\n"
+        "from helpers.course import offline\n"
         "assert torch.get_num_threads() == 2, torch.get_num_threads()\n"
         "torch.manual_seed(0)\n"
-        "model = Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()  # the twin's class and shapes\n"
+        "model = Gemma4ForCausalLM(Gemma4TextConfig(**offline.TEXT_CONFIG)).eval()  # the twin's class and shapes\n"
         "config = model.config.get_text_config()\n"
     )
     env = {**os.environ, "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}

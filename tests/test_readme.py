@@ -27,7 +27,7 @@ def _imports(module: str) -> set[str]:
     for node in ast.walk(ast.parse(_path(module).read_text())):
         if isinstance(node, ast.ImportFrom) and node.level >= 1:
             lessons = node.level == 2 or not in_course  # the lessons' folder, or the course's own
-            if node.module:  # a module, or one of the course's from the package's __init__ (course.tpu)
+            if node.module:  # a module, or one of the course's from the package's __init__ (course.setup)
                 found.add(node.module.removeprefix("course."))
             else:  # from . import x: a module, or a name of the package itself
                 pool = LESSONS if lessons else BOOKKEEPING
@@ -122,3 +122,10 @@ def test_the_readme_is_a_front_page_and_its_links_and_the_docs_lead_somewhere():
     for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         for link in re.findall(r"\]\(([\w./-]+\.(?:md|ipynb|py))\)", page.read_text()):
             assert (page.parent / link).exists(), f"{page.name}: {link}"
+
+
+def test_the_module_map_draws_every_module_in_its_layer():
+    text = (ROOT / "docs" / "modules.md").read_text()
+    drawn = text.split("```mermaid", 1)[1].split("```", 1)[0]
+    assert set(re.findall(r"\bl_(\w+)\[", drawn)) == LESSONS - {"__init__"}
+    assert set(re.findall(r"\bc_(\w+)\[", drawn)) == BOOKKEEPING

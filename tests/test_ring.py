@@ -9,16 +9,16 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
 from helpers import decode as d
 from helpers import ring
-from helpers.course import e2b, hub, measure, series, twin, verdict
+from helpers.course import e2b, hub, measure, offline, series, verdict
 
-W = twin.TEXT_CONFIG["sliding_window"]
+W = offline.TEXT_CONFIG["sliding_window"]
 
 
 @pytest.fixture(scope="module")
 def tiny():
     """A random tiny model of the real class, the twin's shape, float32, on the CPU."""
     torch.manual_seed(0)
-    return Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()
+    return Gemma4ForCausalLM(Gemma4TextConfig(**offline.TEXT_CONFIG)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +152,7 @@ def test_the_ring_with_grouped_attention_gives_the_same_logits(cpu):
     """The model's own attention, then grouped, over a prompt crossing the window in chunks and
     token by token after it: the same logits, within float32's default tolerance."""
     torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**twin.TEXT_CONFIG)).eval()
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**offline.TEXT_CONFIG)).eval()
     seq = torch.randint(0, 512, (1, 3 * W + 7), generator=torch.Generator().manual_seed(1))
     before, _ = _through_the_ring(ring.RingDecoder(model, cpu, max_len=4 * W, chunk_size=5), seq, 2 * W + 1)
     assert ring.group_query_heads(model) == "sdpa" and model.config._attn_implementation == ring.GROUPED

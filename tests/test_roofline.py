@@ -232,11 +232,11 @@ def test_a_4bit_head_through_the_kernel_reads_its_own_copy_and_the_main_table_on
 
 
 def test_a_linear_on_its_grid_converts_exactly_and_one_off_it_is_refused():
-    from helpers.course import twin
+    from helpers.course import offline
 
     linear = torch.nn.Linear(64, 16, bias=False)
     with torch.no_grad():
-        linear.weight.copy_(twin.on_grid(linear.weight)[0])
+        linear.weight.copy_(offline.on_grid(linear.weight)[0])
     x = torch.randn(3, 64)
     for fmt in qlinear.FORMATS:  # equal: three rows go through F.linear itself, of the same values
         assert torch.equal(qlinear.QLinear.from_linear(linear, fmt)(x), linear(x))

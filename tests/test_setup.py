@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 import helpers
-from helpers.course import publish, setup
+from helpers.course import setup
 
 PINS = setup.pins()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -311,45 +311,45 @@ def test_tpu_chips_as_torchtpu_finds_them_by_device_id_and_vfio(tmp_path):
 
 
 def test_a_tpu_torchtpu_cannot_drive_is_named_when_the_backend_is_picked(monkeypatch):
-    from helpers.course import hub
+    from helpers import backend
 
     monkeypatch.delenv("HELPERS_BACKEND", raising=False)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(hub, "tpu_scan", lambda: ([], ["0000:00:06.0: TPU v5e without /dev/vfio/12"]))
+    monkeypatch.setattr(backend, "tpu_scan", lambda: ([], ["0000:00:06.0: TPU v5e without /dev/vfio/12"]))
     with pytest.warns(UserWarning, match="TorchTPU cannot drive.*without /dev/vfio/12"):
-        assert hub.get_backend().name in ("cpu", "cuda")
+        assert backend.get_backend().name in ("cpu", "cuda")
 
 
 def test_a_tpu_machine_without_torchtpu_raises_instead_of_running_on_cpu(monkeypatch):
-    from helpers.course import hub
+    from helpers import backend
 
     monkeypatch.delenv("HELPERS_BACKEND", raising=False)
     monkeypatch.delenv("PJRT_DEVICE", raising=False)
-    monkeypatch.setattr(hub, "tpu_scan", lambda: (["v5e"], []))
-    with pytest.raises(hub.BackendError, match="TorchTPU did not come up.*HELPERS_BACKEND=cpu"):
-        hub.get_backend()
-    assert hub.get_backend("cpu").name == "cpu"
+    monkeypatch.setattr(backend, "tpu_scan", lambda: (["v5e"], []))
+    with pytest.raises(backend.BackendError, match="TorchTPU did not come up.*HELPERS_BACKEND=cpu"):
+        backend.get_backend()
+    assert backend.get_backend("cpu").name == "cpu"
 
 
 # --- the repository's name in one place, and the set-up cell -----------------------------------
 def test_badges_and_set_up_cells_agree_with_helpers_course():
-    assert publish.mismatches() == []
+    assert setup.mismatches() == []
 
 
 def test_a_fork_rewrites_badges_and_set_up_cells_from_one_name(tmp_path, monkeypatch):
     import shutil
 
     (tmp_path / "notebooks").mkdir()
-    for path in publish.NOTEBOOKS:
+    for path in setup.NOTEBOOKS:
         for twin in (path, path.with_suffix(".ipynb")):
             shutil.copy(twin, tmp_path / "notebooks" / twin.name)
-    shutil.copy(publish.README, tmp_path / "README.md")
-    monkeypatch.setattr(publish, "README", tmp_path / "README.md")
-    monkeypatch.setattr(publish, "NOTEBOOKS", sorted((tmp_path / "notebooks").glob("*.py")))
-    monkeypatch.setattr(publish, "GITHUB", "someone/fork")
-    assert publish.mismatches()  # the copy still names the original
-    publish.write()
-    assert publish.mismatches() == []
+    shutil.copy(setup.README, tmp_path / "README.md")
+    monkeypatch.setattr(setup, "README", tmp_path / "README.md")
+    monkeypatch.setattr(setup, "NOTEBOOKS", sorted((tmp_path / "notebooks").glob("*.py")))
+    monkeypatch.setattr(setup, "GITHUB", "someone/fork")
+    assert setup.mismatches()  # the copy still names the original
+    setup.write()
+    assert setup.mismatches() == []
     assert "colab.research.google.com/github/someone/fork/blob/main/notebooks/" in (tmp_path / "README.md").read_text()
     assert "https://github.com/someone/fork" in (tmp_path / "notebooks" / "01_execution_modes.ipynb").read_text()
 
@@ -357,8 +357,8 @@ def test_a_fork_rewrites_badges_and_set_up_cells_from_one_name(tmp_path, monkeyp
 def test_every_notebook_has_the_set_up_cell_and_colab_tpu_metadata():
     import jupytext
 
-    for path in publish.NOTEBOOKS:
-        assert publish.notebook_setup_cell(path.read_text()) == publish.setup_cell(), path.name
+    for path in setup.NOTEBOOKS:
+        assert setup.notebook_setup_cell(path.read_text()) == setup.setup_cell(), path.name
         for twin in (path, path.with_suffix(".ipynb")):  # the source keeps it through jupytext --sync
             metadata = jupytext.read(twin).metadata
             assert metadata.get("accelerator") == "TPU" and metadata.get("colab", {}).get("gpuType") == "V5E1", (
@@ -376,7 +376,7 @@ def _run_setup_cell(env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
     site = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), *site]), "PIP_NO_INDEX": "1", **env_extra}
     env.pop("HELPERS_BACKEND", None)
-    code = "import google.colab\n" + publish.setup_cell()
+    code = "import google.colab\n" + setup.setup_cell()
     return subprocess.run(
         [sys.executable, "-S", "-c", code],
         cwd=tmp_path,

@@ -17,7 +17,7 @@ from safetensors import safe_open
 import helpers
 from helpers import checkpoint as ck
 from helpers import generate, int4
-from helpers.course import e2b, hub, synthetic, twin
+from helpers.course import e2b, hub, offline
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +25,11 @@ def small(tmp_path_factory):
     from transformers import Gemma4AudioConfig, Gemma4TextConfig, Gemma4VisionConfig
 
     towers = (
-        Gemma4VisionConfig(**twin.VISION_CONFIG, use_clipped_linears=True),
-        Gemma4AudioConfig(**twin.AUDIO_CONFIG),
+        Gemma4VisionConfig(**offline.VISION_CONFIG, use_clipped_linears=True),
+        Gemma4AudioConfig(**offline.AUDIO_CONFIG),
     )
     folder = tmp_path_factory.mktemp("synthetic") / "small"
-    return synthetic.build_synthetic_e2b(folder, text_config=Gemma4TextConfig(**twin.TEXT_CONFIG), towers=towers)
+    return offline.build_synthetic_e2b(folder, text_config=Gemma4TextConfig(**offline.TEXT_CONFIG), towers=towers)
 
 
 def test_the_exports_file_set_names_dtypes_and_shapes(small):
@@ -95,7 +95,7 @@ def test_at_full_size_the_layout_has_the_exports_tensors_and_bytes():
             for k, t in Gemma4ForConditionalGeneration(config).state_dict().items()
             if k.startswith("model.") and not k.startswith("model.language_model.")
         }
-    entries = list(synthetic._entries(text, e2b.meta_model(text), towers, 0))  # names and sizes: nothing made
+    entries = list(offline._entries(text, e2b.meta_model(text), towers, 0))  # names and sizes: nothing made
     size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s, _ in entries)
     assert len(entries) == 2504 and round(size / 2**30, 2) == 7.74  # the export: 2,504 tensors, 7.75 GiB
     assert sum(k.startswith("model.vision_tower.") for k in towers) == 658

@@ -6,8 +6,7 @@ import time
 import pytest
 
 import helpers
-from helpers.course.results import Results
-from helpers.course.tables import table
+from helpers.course.report import Results, table
 from helpers.timing import Timing, time_fed, time_fn
 
 
@@ -44,7 +43,7 @@ def test_results_replace_a_rerun_row_and_keep_the_others(tmp_path):
 
 def test_rows_added_by_processes_side_by_side_are_all_kept(tmp_path):
     # two notebooks (parallel test workers, two Colab tabs) writing one run folder at once
-    add = "import sys; from helpers.course.results import Results; r = Results(sys.argv[1]); [r.add('s', f'{sys.argv[2]}{i}') for i in range(200)]"
+    add = "import sys; from helpers.course.report import Results; r = Results(sys.argv[1]); [r.add('s', f'{sys.argv[2]}{i}') for i in range(200)]"
     writers = [subprocess.Popen([sys.executable, "-c", add, str(tmp_path), name]) for name in "ab"]
     assert [w.wait() for w in writers] == [0, 0]
     assert len(Results(tmp_path).rows()) == 400
@@ -83,7 +82,7 @@ def test_run_dir_goes_to_drive_where_it_is_mounted(tmp_path, monkeypatch):
     assert helpers.run_dir() == pathlib.Path("runs/latest")  # no Drive here
     mounted = tmp_path / "drive" / "MyDrive"
     mounted.mkdir(parents=True)
-    monkeypatch.setattr(helpers.course.results, "DRIVE_RUNS", str(mounted / "gemma4-on-tpu" / "runs"))
+    monkeypatch.setattr(helpers.course.report, "DRIVE_RUNS", str(mounted / "gemma4-on-tpu" / "runs"))
     assert helpers.run_dir() == mounted / "gemma4-on-tpu" / "runs" and helpers.run_dir().is_dir()
 
 

@@ -9,7 +9,7 @@ import nbformat
 import pytest
 
 from helpers.course import tour
-from helpers.course.results import RUN_DIR_VAR, Results
+from helpers.course.report import RUN_DIR_VAR, Results
 
 
 @pytest.mark.reader

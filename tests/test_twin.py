@@ -15,12 +15,12 @@ import helpers
 from helpers import checkpoint as ck
 from helpers import generate
 from helpers.backend import GENERATION_TOKENS
-from helpers.course import e2b, hub, twin, verdict
+from helpers.course import e2b, hub, offline, verdict
 
 
 @pytest.fixture(scope="module")
 def folder():
-    return twin.build_tiny_twin()
+    return offline.build_tiny_twin()
 
 
 @pytest.fixture(scope="module")
@@ -154,10 +154,10 @@ def test_the_twin_answers_the_series_prompt_in_words_and_ends_its_turn(folder):
     model, _ = ck.load(checkpoint.path, helpers.get_backend("cpu"), dtype=torch.float32, dequantize=True)
     tokens = verdict.greedy_tokens(model, ck.chat_ids(tok, "cpu"), GENERATION_TOKENS)
     assert len(tokens) < GENERATION_TOKENS and tokens[-1] == tok.convert_tokens_to_ids("<turn|>")
-    assert tok.decode(tokens, skip_special_tokens=True) == dict(twin.CHATS)[twin.PROMPT]
+    assert tok.decode(tokens, skip_special_tokens=True) == dict(offline.CHATS)[offline.PROMPT]
     assert generate.until_stop(tokens, generate.stop_ids(model)) == tokens
     # thinking on: Gemma 4's template opens a system turn with <|think|>, the reply a thinking channel
-    question, answer = twin.THINKING_CHATS[0]
+    question, answer = offline.THINKING_CHATS[0]
     text = tok.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False, enable_thinking=True
     )
@@ -185,20 +185,20 @@ def test_the_chat_template_is_gemma_4s_turn_format(folder):
 
 def test_on_grid_is_exact_and_idempotent():
     w = torch.randn(4, 64, dtype=torch.bfloat16)
-    snapped, scale = twin.on_grid(w)
-    assert scale.shape == (4, 2) and torch.equal(twin.on_grid(snapped)[0], snapped)
+    snapped, scale = offline.on_grid(w)
+    assert scale.shape == (4, 2) and torch.equal(offline.on_grid(snapped)[0], snapped)
     codes = snapped.float().reshape(4, 2, 32) / scale[..., None]
     assert torch.equal(codes, codes.round()) and codes.abs().max() <= 8
 
 
 def test_built_once_then_taken_from_the_cache(folder):
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
-    assert twin.build_tiny_twin() == folder
+    assert offline.build_tiny_twin() == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
 
 
 def test_same_seed_same_twin(tmp_path, tensors):
-    other = twin.build_tiny_twin(tmp_path / "again")
+    other = offline.build_tiny_twin(tmp_path / "again")
     with safe_open(other / "model.safetensors", "pt") as f:
         assert sorted(f.keys()) == sorted(tensors) and all(torch.equal(f.get_tensor(k), tensors[k]) for k in f.keys())
 

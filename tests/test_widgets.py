@@ -10,7 +10,7 @@ from transformers import PreTrainedTokenizerFast
 
 import helpers
 from helpers import generate as g
-from helpers.course import widgets
+from helpers.course import report
 
 WORDS = ["<pad>", "the", "ring", "cache", "keeps", "one", "window"]
 
@@ -32,7 +32,7 @@ def _stream(streamer, ids):
 
 def test_the_streamer_writes_its_text_and_rate_into_the_text_widget(tokenizer):
     print("ipywidgets", ipywidgets.__version__)
-    widget = widgets.text_widget()
+    widget = report.text_widget()
     streamer = g.StepStreamer(tokenizer, helpers.get_backend("cpu"), widget)
     _stream(streamer, [1, 2, 3, 4, 5, 6])
     assert "the ring cache keeps one window" in widget.value and "tok/s" in widget.value
@@ -59,7 +59,7 @@ class StandInChat:
 
 def test_the_chat_widget_takes_enter_and_the_button_and_says_a_refusal(tokenizer):
     chat = StandInChat(tokenizer)
-    ui = widgets.chat_widget(chat)
+    ui = report.chat_widget(chat)
     log, live, (box, send) = ui.children[0], ui.children[1], ui.children[2].children
     box.value = "hello"  # Enter in the text box
     assert "<b>you:</b> hello" in log.value and "the ring cache" in log.value and "context 10 of 256" in log.value

@@ -1,29 +1,22 @@
-"""The course's bookkeeping, above the lessons, which never import it: series, rows, tour, charts, sources, set-up,
-Hub policy, twin, synthetic checkpoint, verdict, audits. Modules load on first use."""
+"""The course's bookkeeping, above the lessons, which never import it, in 12 modules by role: setup, sources, report,
+audits, e2b, offline (the twin, its assistant, the synthetic checkpoint), hub, verdict, series, measure, steps, tour.
+Modules load on first use."""
 
 import importlib
 
 _MODULES = {
     "audits",
-    "charts",
     "e2b",
     "hub",
     "measure",
-    "programs",
-    "publish",
-    "results",
+    "offline",
+    "report",
     "series",
     "setup",
     "sources",
     "steps",
-    "synthetic",
-    "tables",
     "tour",
-    "tpu",
-    "twin",
-    "twin_assistant",
     "verdict",
-    "widgets",
 }
 
 

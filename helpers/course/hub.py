@@ -6,19 +6,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
-import warnings
 
 import torch
 
-from .. import backend as backends
-from ..backend import Backend, BackendError
+from ..backend import Backend
 from ..checkpoint import CheckpointError
 from .e2b import CONTEXT, estimate_device_bytes, fit_options, real_config
-from .synthetic import SYNTHETIC, build_synthetic_assistant, build_synthetic_e2b
-from .tables import fmt_bytes
-from .tpu import tpu_scan
-from .twin import build_tiny_twin
-from .twin_assistant import build_twin_assistant
+from .offline import SYNTHETIC, build_synthetic_assistant, build_synthetic_e2b, build_tiny_twin, build_twin_assistant
+from .report import fmt_bytes
 
 REPO_ID = "google/gemma-4-E2B-it-qat-w4a16-ct"
 # The QAT training's own bf16 weights on the 4-bit grid (the -ct export re-rounded its linears).
@@ -33,7 +28,7 @@ def describe(backend: Backend) -> str:
     parts = [f"backend {backend.name}", f"device {backend.device}"]
     if backend.device.type == "cuda":
         parts.append(torch.cuda.get_device_name(backend.device))
-    total = backend.memory_total()
+    total = (backend.memory() or {}).get("total")
     if total:
         parts.append(f"{total / 2**30:.1f} GiB device memory")
     if backend.lazy:
@@ -42,24 +37,10 @@ def describe(backend: Backend) -> str:
     return ", ".join(parts)
 
 
-def get_backend(name: str | None = None) -> Backend:
-    """``backend.get_backend``, this machine checked first: a TPU chip TorchTPU did not bring up raises (host numbers
-    must not pass for a TPU's), one it cannot drive is named."""
-    asked = name or os.environ.get(backends.ENV_VAR)
-    name = asked or backends.detect()
-    if not asked and name in ("cuda", "cpu"):  # picked by itself: a TPU chip here would go unused
-        chips, not_driven = tpu_scan()
-        if not_driven and not chips:
-            warnings.warn(
-                "a TPU is here that TorchTPU cannot drive, so it is not used: " + "; ".join(not_driven), stacklevel=2
-            )
-        if chips:
-            raise BackendError(
-                f"this machine has a TPU ({', '.join(chips)}) but TorchTPU did not come up in this Python: run the "
-                "set-up cell (it installs torch_tpu), restart the runtime if it says so (Runtime > Restart session), "
-                f"then run all cells; to run on the host instead, set {backends.ENV_VAR}=cpu."
-            )
-    return backends.get_backend(name)
+def default_model(backend: Backend) -> str:
+    """What the series loads unless told: E2B on a TPU, E2B if it fits on a CUDA GPU (a Colab T4 or L4), else the
+    twin."""
+    return "e2b" if backend.on_tpu else "e2b if it fits" if backend.device.type == "cuda" else "twin"
 
 
 @dataclasses.dataclass
@@ -71,7 +52,7 @@ class Checkpoint:
     tiny: bool
     reason: str
     folder: str | None = None  # where ``source`` was fetched to once (a download, or the Hub's cache)
-    synthetic: bool = False  # E2B's layout with random weights (``helpers.course.synthetic``)
+    synthetic: bool = False  # E2B's layout with random weights (``helpers.course.offline``)
 
     @property
     def name(self) -> str:
@@ -159,10 +140,20 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
         return None
 
 
+def free_bytes(backend: Backend) -> int | None:
+    """Free device memory; available host RAM on a CPU; None where unknown."""
+    memory = backend.memory()
+    if memory and memory["total"] is not None:
+        return memory["total"] - memory["in_use"]
+    if backend.device.type == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
+
+
 def real_model_fits(backend: Backend) -> tuple[bool, str]:
     """Whether E2B's text decoder fits the free memory after a forward (``e2b.estimate_device_bytes``),
     and the numbers for the printed reason."""
-    needed, free = estimate_device_bytes(real_config(), dequantize=False), backend.free_bytes()
+    needed, free = estimate_device_bytes(real_config(), dequantize=False), free_bytes(backend)
     if free is None:
         return False, f"E2B needs ~{needed / 1e9:.1f} GB and {backend.name} does not report its free memory"
     return needed <= free, f"E2B needs ~{needed / 1e9:.1f} GB, {free / 1e9:.1f} GB free"
@@ -185,10 +176,10 @@ def _choose(backend: Backend) -> Checkpoint:
         )
     if asked:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
-    if backend.default_model == "twin":
+    if default_model(backend) == "twin":
         return Checkpoint(str(build_tiny_twin()), None, True, f"no TPU or GPU here (backend {backend.name})")
     where = "a TPU"
-    if backend.default_model == "e2b if it fits":
+    if default_model(backend) == "e2b if it fits":
         fits, numbers = real_model_fits(backend)
         if not fits:
             return Checkpoint(str(build_tiny_twin()), None, True, f"a GPU too small for E2B ({numbers})")
@@ -237,7 +228,7 @@ def preflight(
 ) -> str:
     """Refuse a load that will not fit, saying what to change; ``available`` and ``where``: a what-if."""
     needed = estimate_device_bytes(config, dequantize)
-    available = backend.free_bytes() if available is None else available
+    available = free_bytes(backend) if available is None else available
     where = where or backend.name
     if available is None:
         return f"preflight: needs ~{fmt_bytes(needed)}; {where} does not report its free memory"

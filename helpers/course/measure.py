@@ -10,7 +10,7 @@ import statistics
 import torch
 from tqdm.auto import tqdm
 
-from ..backend import Backend, get_backend
+from ..backend import V5E_BYTES_PER_S, Backend, get_backend
 from ..decode import Decoder, cache_bytes, cache_read_bytes, greedy_step
 from ..generate import generate, greedy_config, stop_ids, until_stop
 from ..ring import RingCache, RingDecoder, inside_generate
@@ -110,6 +110,17 @@ def device_bytes(model, cache) -> int:
     return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)
 
 
+def profiler_activities(backend: Backend) -> list:
+    """What torch.profiler records: the host, and on cuda the kernels; on tpu and xla only the host's side."""
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.device.type == "cuda" else [])
+
+
+def profiler_sort(backend: Backend) -> str:
+    return "self_cuda_time_total" if backend.device.type == "cuda" else "self_cpu_time_total"
+
+
 @torch.no_grad()
 def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
     """torch.profiler's table of the ops with the most self time over ``steps`` compiled decode calls; on tpu and xla
@@ -118,12 +129,12 @@ def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
 
     token, position = decoder.prefill(ids)
     decoder.backend.sync()
-    with profile(activities=decoder.backend.profiler_activities) as prof:
+    with profile(activities=profiler_activities(decoder.backend)) as prof:
         for _ in range(steps):
             _, token, position = decoder.call(token, position)
         decoder.backend.flush()
         decoder.backend.sync()
-    return prof.key_averages().table(sort_by=decoder.backend.profiler_sort, row_limit=rows)
+    return prof.key_averages().table(sort_by=profiler_sort(decoder.backend), row_limit=rows)
 
 
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
@@ -251,8 +262,8 @@ def _probe(name: str, device: str, megabytes: int) -> tuple[float, float]:
 def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
     """Bytes per second this device reads at and where the figure comes from: the best of ``READS`` reads of
     ``megabytes`` (once per process; the spread in the text), or on a TPU the published figure."""
-    if backend.published_bandwidth:
-        return backend.published_bandwidth
+    if backend.on_tpu:  # a TPU's figure: Google's, in place of a measurement
+        return V5E_BYTES_PER_S, "published: TPU v5e, 819 GB/s"
     best, spread = _probe(backend.name, str(backend.device), megabytes)
     return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
 

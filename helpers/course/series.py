@@ -13,7 +13,7 @@ from .. import checkpoint as ck
 from .. import decode, generate, qtable, ring
 from ..backend import Backend
 from . import hub, verdict
-from .results import run_dir, update_json
+from .report import run_dir, update_json
 
 
 @dataclasses.dataclass

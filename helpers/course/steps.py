@@ -17,10 +17,10 @@ from ..qlinear import keep_linears_compressed
 from ..qtable import keep_embed_in_4bit
 from ..roofline import KDecoder
 from ..timing import time_fn
-from . import audits, measure, programs, sources
+from . import audits, measure, sources
 from .e2b import kv_cache_bytes
 from .measure import device_bytes, timed_generate
-from .results import Results
+from .report import Results
 from .series import Series
 
 MODES = "01 execution modes"
@@ -165,7 +165,7 @@ def measure_variant(
     options = options or {}
     decoder = KDecoder(model, backend, max_len, k, **options) if k > 1 else Decoder(model, backend, max_len, **options)
     folder = backend.xla_dump_folder
-    with programs.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
+    with audits.captured(folder) if folder else contextlib.nullcontext([]) as compiled:
         with backend.compile_counter() as count:
             first = time_fn(decoder.generate, series.ids, series.new_tokens, sync=backend.sync, warmup=0, repeats=1)
     timed = timed_generate(decoder, series.ids, series.timed_tokens, readback_every=max(16, k))
@@ -183,8 +183,8 @@ def measure_variant(
         "peak_bytes": memory and memory["peak"],
         "weights_bytes": sum(r["bytes"] for r in audits.memory_report(model)),
         **timed_columns(backend, timed["rates"], roofline.step_bytes(model, decoder.cache)),
-        # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.course.programs
-        **programs.summary(compiled, {programs.hlo_shape(t) for t in kv_buffers(decoder.cache)}),
+        # what XLA compiled, where it dumps it (xla with HELPERS_XLA_AUDIT=1): helpers.course.audits
+        **audits.summary(compiled, {audits.hlo_shape(t) for t in kv_buffers(decoder.cache)}),
     }
 
 

@@ -14,8 +14,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from .charts import closing_charts
-from .results import RUN_DIR_VAR, Results, run_dir
+from .report import RUN_DIR_VAR, Results, closing_charts, run_dir
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged

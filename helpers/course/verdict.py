@@ -12,9 +12,9 @@ from ..backend import Backend
 from ..checkpoint import read_config, text_config, unload
 from ..generate import greedy_config
 from ..packed import GROUP_SIZE, CheckpointTensors, text_key
+from ..timing import host_peak_bytes
 from .hub import Checkpoint
-from .tables import fmt_bytes
-from .timing import host_peak_bytes
+from .report import fmt_bytes
 
 
 def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16):

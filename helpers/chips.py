@@ -1,5 +1,7 @@
 """The TPU chips on this machine, as TorchTPU finds them: read from sysfs without touching any TPU client (nor
-importing torch), so asking is cheap and safe anywhere."""
+importing torch), so asking is cheap and safe anywhere, before torch loads."""
+
+from __future__ import annotations
 
 import glob
 import os
