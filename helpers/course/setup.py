@@ -406,11 +406,11 @@ def store_facts(executed: pathlib.Path) -> None:
         if [c.source for c in ran.cells] != [c.source for c in committed.cells]:
             raise ValueError(f"{executed / twin.name} ran other cells than {twin.name}: run the tour again")
         for cell, run in zip(committed.cells, ran.cells):
-            if cell.cell_type == "code":
-                cell.outputs, cell.execution_count = (run.outputs if is_fact(cell) else []), None
-                for output in cell.outputs:
-                    if "execution_count" in output:  # a run's own count: the committed notebook shows none
-                        output.execution_count = None
+            if (
+                cell.cell_type == "code"
+            ):  # a fact keeps its run's count: nbval refuses stored outputs of a cell never run
+                fact = is_fact(cell)
+                cell.outputs, cell.execution_count = (run.outputs, run.execution_count) if fact else ([], None)
         nbformat.write(committed, twin)
 
 
