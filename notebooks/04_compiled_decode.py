@@ -464,8 +464,21 @@ print(
 )
 # NBVAL_CHECK_OUTPUT
 
+
 # %%
-helpers.show(helpers.backend.Backend.donate)
+# @save helpers.backend
+@helpers.add_to_class(helpers.backend.Backend)
+def donate(self, *tensors: torch.Tensor) -> None:
+    """Inside a compiled function: ``tensors`` written in place (a KV cache) lend their buffers to its outputs.
+    PyTorch/XLA aliases only inputs marked so, else it copies them every call (``helpers.course.audits``);
+    TorchTPU 0.2.0 has no such mark (its sources: mutated inputs come back as new buffers); inductor writes in
+    place by itself."""
+    if self.name == "xla":
+        for tensor in tensors:
+            torch.ops.xla.dynamo_set_buffer_donor_(tensor, True)
+
+
+# %%
 audit_folder = backend.xla_dump_folder
 if audit_folder:
     torch.compiler.reset()

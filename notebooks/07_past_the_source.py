@@ -231,7 +231,22 @@ class KDecoder(Decoder):
 
 
 # %%
-helpers.show(helpers.backend.Backend.use_matvec_loops)  # the device's policy, not a lesson of its own
+# @save helpers.backend
+@helpers.add_to_class(helpers.backend.Backend)
+def use_matvec_loops(self) -> dict | None:
+    """On a CPU, ``compile`` options that make one-row matmuls inductor's own loops (``decompose_mm_pass``),
+    dequantizing in the same kernel: MKL reads short rows at under half a plain read's bandwidth, these loops at
+    two to three times MKL's rate (``benchmarks/matvec.py``). Sets the pass's size limit process-wide. None
+    elsewhere."""
+    if self.name != "cpu":
+        return None
+    from torch._inductor.fx_passes import decompose_mem_bound_mm
+
+    # read once, at the pass's import: its default (2048 rows) leaves the vocabulary-wide head to MKL
+    decompose_mem_bound_mm.cpu_max_other_dimension_decomposition = 2**31
+    # emulate_precision_casts: dequantized weights rounded to bf16 in the loop (measured: logits 0.36 off without)
+    return {"options": {"post_grad_fusion_options": {"decompose_mm_pass": {}}, "emulate_precision_casts": True}}
+
 
 # %% [markdown]
 # The int4 product itself, written here (kept, the same, in `helpers.int4`, where `QLinear` calls
