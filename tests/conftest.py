@@ -28,6 +28,9 @@ def pytest_configure(config):
         shutil.rmtree(NBVAL_RUN_DIR, ignore_errors=True)  # this run's rows only
         NBVAL_RUN_DIR.mkdir(parents=True)
         os.environ[RUN_DIR_VAR] = str(NBVAL_RUN_DIR)  # the kernels inherit it: every notebook appends its rows here
+        # The kernels draw as Colab's do (ipykernel's inline backend): a backend named by the caller (MPLBACKEND=Agg)
+        # would show no chart, and the charts' committed outputs are facts nbval checks.
+        os.environ.pop("MPLBACKEND", None)
 
 
 def pytest_collection_modifyitems(config, items):
