@@ -43,7 +43,7 @@
 # `pip install -r requirements.txt`: it then installs nothing.
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
+# Set up, the same cell in every notebook (written by tools/publish.py): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os

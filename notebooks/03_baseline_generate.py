@@ -36,7 +36,7 @@
 # ## Set up
 
 # %%
-# Set up, the same cell in every notebook (written by helpers.course.setup): fetch the course
+# Set up, the same cell in every notebook (written by tools/publish.py): fetch the course
 # where `helpers` is not importable (Colab), then install what this runtime lacks. Safe to rerun.
 import importlib.util
 import os

@@ -36,7 +36,7 @@ def test_every_step_is_named_as_its_notebook():
 
 # The two layers. The lessons (the modules of ``helpers``) hold the mechanisms the notebooks
 # teach; the course's bookkeeping (``helpers.course``: series, rows, tour, charts, sources, install
-# plan, Hub policy, twin, synthetic, verdict, XLA audit, publishing) sits above them and may
+# plan, Hub policy, twin, synthetic, verdict, XLA audit) sits above them and may
 # import them, never the reverse.
 LESSONS = {
     "chips",

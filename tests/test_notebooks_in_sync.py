@@ -64,15 +64,15 @@ GLOSSARY_TERMS = {  # the glossary's entries (docs/glossary.md), as the notebook
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
 def test_the_first_use_of_each_glossary_term_links_to_its_entry(source):
 
-    from helpers.course import setup
+    from tools import publish
 
     text = "\n".join(c.source for c in jupytext.read(source).cells if c.cell_type == "markdown")
     for anchor, pattern in GLOSSARY_TERMS.items():
         first = re.search(pattern, text, 0 if anchor == "hlo" else re.I)
         if first is not None:
             assert text[first.end() : first.end() + 2] == "](" and text[first.start() - 1] == "[", (anchor, source.name)
-            assert text[first.end() + 2 :].startswith(setup.glossary_url(anchor) + ")"), (anchor, source.name)
-    assert setup.GLOSSARY.exists()
+            assert text[first.end() + 2 :].startswith(publish.glossary_url(anchor) + ")"), (anchor, source.name)
+    assert publish.GLOSSARY.exists()
 
 
 @pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
@@ -80,13 +80,13 @@ def test_the_fact_cells_carry_their_outputs_and_no_other_cell_does(source):
     """What GitHub shows before anyone runs a notebook: the outputs of its fact cells (``# NBVAL_CHECK_OUTPUT``: facts
     of E2B or of the course's definitions, whatever the backend), which nbval checks a run prints again; no other
     cell's, since a run's timings, paths and machine are the reader's own. Stored by
-    ``python -m helpers.course.setup --facts runs/tour``."""
+    ``python tools/publish.py --facts runs/tour``."""
     import nbformat
 
-    from helpers.course import setup
+    from tools import publish
 
     for cell in nbformat.read(source.with_suffix(".ipynb"), as_version=4).cells:
-        if not setup.is_fact(cell):
+        if not publish.is_fact(cell):
             assert not cell.get("outputs"), (
                 f"{source.stem}: a stored output in a cell that is not a fact:\n{cell.source}"
             )

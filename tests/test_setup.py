@@ -15,6 +15,7 @@ from packaging.specifiers import SpecifierSet
 
 import helpers
 from helpers.course import setup
+from tools import publish
 
 PINS = setup.pins()
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -199,11 +200,13 @@ def test_a_runtime_version_that_will_not_do_is_replaced():
 def test_a_restart_is_asked_for_when_the_plan_changes_what_was_imported():
     todo = setup.plan({**COLAB, "torch": "2.8.0"}, PINS, tpu=True, colab=True)
     names = setup.import_names()  # this environment's: transformers is imported as transformers
-    assert todo.stale({"os", "sys"}, names) == []
-    assert todo.stale({"torch", "torch.nn"}, names) == ["torch"]
-    assert "transformers" in todo.stale({"transformers.models"}, names)
+    assert setup.stale_imports(set(todo.changed()), {"os", "sys"}, names) == []
+    assert setup.stale_imports(set(todo.changed()), {"torch", "torch.nn"}, names) == ["torch"]
+    assert "transformers" in setup.stale_imports(set(todo.changed()), {"transformers.models"}, names)
     torch_tpu_only = setup.Plan(install=["torch_tpu==0.2.0"])
-    assert torch_tpu_only.stale({"torch"}, names) == ["torch"]  # its import hook registers at `import torch`
+    assert setup.stale_imports(set(torch_tpu_only.changed()), {"torch"}, names) == [
+        "torch"
+    ]  # its import hook registers at `import torch`
 
 
 def test_the_restart_is_decided_from_real_import_names():
@@ -332,24 +335,24 @@ def test_a_tpu_machine_without_torchtpu_raises_instead_of_running_on_cpu(monkeyp
 
 
 # --- the repository's name in one place, and the set-up cell -----------------------------------
-def test_badges_and_set_up_cells_agree_with_helpers_course():
-    assert setup.mismatches() == []
+def test_badges_and_set_up_cells_agree_with_tools_publish():
+    assert publish.mismatches() == []
 
 
 def test_a_fork_rewrites_badges_and_set_up_cells_from_one_name(tmp_path, monkeypatch):
     import shutil
 
     (tmp_path / "notebooks").mkdir()
-    for path in setup.NOTEBOOKS:
+    for path in publish.NOTEBOOKS:
         for twin in (path, path.with_suffix(".ipynb")):
             shutil.copy(twin, tmp_path / "notebooks" / twin.name)
-    shutil.copy(setup.README, tmp_path / "README.md")
-    monkeypatch.setattr(setup, "README", tmp_path / "README.md")
-    monkeypatch.setattr(setup, "NOTEBOOKS", sorted((tmp_path / "notebooks").glob("*.py")))
-    monkeypatch.setattr(setup, "GITHUB", "someone/fork")
-    assert setup.mismatches()  # the copy still names the original
-    setup.write()
-    assert setup.mismatches() == []
+    shutil.copy(publish.README, tmp_path / "README.md")
+    monkeypatch.setattr(publish, "README", tmp_path / "README.md")
+    monkeypatch.setattr(publish, "NOTEBOOKS", sorted((tmp_path / "notebooks").glob("*.py")))
+    monkeypatch.setattr(publish, "GITHUB", "someone/fork")
+    assert publish.mismatches()  # the copy still names the original
+    publish.write()
+    assert publish.mismatches() == []
     assert "colab.research.google.com/github/someone/fork/blob/main/notebooks/" in (tmp_path / "README.md").read_text()
     assert "https://github.com/someone/fork" in (tmp_path / "notebooks" / "01_execution_modes.ipynb").read_text()
 
@@ -357,8 +360,8 @@ def test_a_fork_rewrites_badges_and_set_up_cells_from_one_name(tmp_path, monkeyp
 def test_every_notebook_has_the_set_up_cell_and_colab_tpu_metadata():
     import jupytext
 
-    for path in setup.NOTEBOOKS:
-        assert setup.notebook_setup_cell(path.read_text()) == setup.setup_cell(), path.name
+    for path in publish.NOTEBOOKS:
+        assert publish.notebook_setup_cell(path.read_text()) == publish.setup_cell(), path.name
         for twin in (path, path.with_suffix(".ipynb")):  # the source keeps it through jupytext --sync
             metadata = jupytext.read(twin).metadata
             assert metadata.get("accelerator") == "TPU" and metadata.get("colab", {}).get("gpuType") == "V5E1", (
@@ -376,7 +379,7 @@ def _run_setup_cell(env_extra: dict, tmp_path) -> subprocess.CompletedProcess:
     site = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub), *site]), "PIP_NO_INDEX": "1", **env_extra}
     env.pop("HELPERS_BACKEND", None)
-    code = "import google.colab\n" + setup.setup_cell()
+    code = "import google.colab\n" + publish.setup_cell()
     return subprocess.run(
         [sys.executable, "-S", "-c", code],
         cwd=tmp_path,
