@@ -1,12 +1,12 @@
 """Where a model's bytes are, by kind and device; how a checkpoint's tensor names land in the text model; and the
 programs XLA is handed, read from the ``xla`` backend's dumps: 64-bit integer ops (pairs of 32-bit ones on a TPU), the
-KV cache aliased or copied per step, the largest intermediate, memory. TorchTPU's StableHLO is not read.
-"""
+KV cache aliased or copied per step, the largest intermediate, memory. TorchTPU's StableHLO is not read."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import pathlib
 import re
 
@@ -17,12 +17,10 @@ from ..packed import CHECKPOINT_PREFIX, TEXT_PREFIX, CheckpointTensors, text_key
 
 def tensor_kind(name: str, tensor: torch.Tensor) -> str:
     """What a model tensor holds, by its name and dtype: packed int4, its scales, bf16, ..."""
-    if name.endswith("weight_packed"):
-        return "packed int4"
-    if name.endswith("weight_scale"):
-        return "int4 scales"
-    if name.endswith("weight_shape"):
-        return "int4 shapes"
+    int4 = {"weight_packed": "packed int4", "weight_scale": "int4 scales", "weight_shape": "int4 shapes"}
+    for end, kind in int4.items():
+        if name.endswith(end):
+            return kind
     return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(tensor.dtype, str(tensor.dtype))
 
 
@@ -42,7 +40,6 @@ def name_map(folder) -> list[dict]:
     return [{"checkpoint": c, "text model": t, "tensors": n} for (c, t), n in groups.items()]
 
 
-# --- where the bytes are, and what compressed-tensors attached --------------------------------
 def memory_report(model) -> list[dict]:
     """Bytes the model holds by kind (packed int4, int4 scales, bf16, ..., buffers) and device; tied tensors once."""
     seen, rows = set(), {}
@@ -53,16 +50,14 @@ def memory_report(model) -> list[dict]:
             continue
         seen.add(id(tensor))
         kind = "buffers" if is_buffer else tensor_kind(name, tensor)
-        row = rows.setdefault(
-            (kind, str(tensor.device)), {"kind": kind, "device": str(tensor.device), "tensors": 0, "bytes": 0}
-        )
+        device = str(tensor.device)
+        row = rows.setdefault((kind, device), {"kind": kind, "device": device, "tensors": 0, "bytes": 0})
         row["tensors"] += 1
         row["bytes"] += tensor.numel() * tensor.element_size()
     return sorted(rows.values(), key=lambda r: -r["bytes"])
 
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
-_BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s64": 8, "u64": 8, "f64": 8}  # else 4
 NOT_WORK = ("parameter", "constant", "tuple", "get-tuple-element", "bitcast")
 _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 
@@ -70,6 +65,11 @@ _ARRAY = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 def array_bytes(shape_text: str) -> int:
     """Bytes of every array in an HLO shape, e.g. ``(bf16[1,8,256]{2,1,0}, s32[])``."""
     return sum(_count(dims) * _BYTES.get(dtype, 4) for dtype, dims in _ARRAY.findall(shape_text))
+
+
+def _count(dims: str) -> int:
+    """Elements of an HLO array from its dims, e.g. ``1,8,256`` (a scalar's are empty: 1)."""
+    return math.prod(int(d) for d in dims.split(",") if d)
 
 
 @dataclasses.dataclass
@@ -95,29 +95,17 @@ def captured(folder: pathlib.Path):
             programs.append(Program(name, path.read_text(), buffers.read_text() if buffers.exists() else ""))
 
 
-def _entry(hlo: str) -> list[str]:
-    """The instruction lines of the entry computation."""
-    start = hlo.index("\nENTRY ")
-    return hlo[start:].split("\n}\n", 1)[0].splitlines()[1:]
-
-
 def parameters(hlo: str) -> dict[int, str]:
     """The entry computation's parameters: number -> shape text."""
-    found = {}
-    for line in _entry(hlo):
-        m = re.search(r"= (.+?) parameter\((\d+)\)", line)
-        if m:
-            found[int(m.group(2))] = m.group(1)
-    return found
+    entry = hlo[hlo.index("\nENTRY ") :].split("\n}\n", 1)[0]
+    return {int(m[2]): m[1] for m in re.finditer(r"= (.+?) parameter\((\d+)\)", entry)}
 
 
 def aliased(hlo: str) -> dict[int, int]:
     """The module's input-output aliasing: parameter number -> output index (top level)."""
     header = hlo.split("\n", 1)[0]
     m = re.search(r"input_output_alias=\{(.*?)\}, (?:entry_computation_layout|alias_passthrough|$)", header)
-    if not m:
-        return {}
-    pairs = re.findall(r"\{(\d+)\}: \((\d+),", m.group(1))
+    pairs = re.findall(r"\{(\d+)\}: \((\d+),", m.group(1)) if m else []
     return {int(param): int(out) for out, param in pairs}
 
 
@@ -134,16 +122,8 @@ def s64_ops(hlo: str) -> tuple[dict[str, int], tuple[int, str]]:
         if not arrays:
             continue
         counts[m.group(2)] = counts.get(m.group(2), 0) + 1
-        for dims in arrays:
-            largest = max(largest, (_count(dims), f"s64[{dims}]"))
+        largest = max(largest, *((_count(dims), f"s64[{dims}]") for dims in arrays))
     return counts, largest
-
-
-def _count(dims: str) -> int:
-    count = 1
-    for d in filter(None, dims.split(",")):
-        count *= int(d)
-    return count
 
 
 def temporaries(program: Program) -> list[list[tuple]]:

@@ -1,8 +1,6 @@
 """Gemma 4 E2B at full scale without its weights: the real text configuration built on the
 meta device, and the bytes that follow from it (components, KV caches, device estimates)."""
 
-from __future__ import annotations
-
 import json
 import pathlib
 
@@ -33,9 +31,8 @@ def real_config():
     """Gemma 4 E2B's text configuration, from the facts in ``e2b_config.json``."""
     from transformers import Gemma4TextConfig
 
-    facts = {k: v for k, v in json.loads(E2B_CONFIG.read_text()).items() if not k.startswith("_")}
-    facts.pop("model_type")
-    return Gemma4TextConfig(**facts)
+    facts = json.loads(E2B_CONFIG.read_text())
+    return Gemma4TextConfig(**{k: v for k, v in facts.items() if not k.startswith("_") and k != "model_type"})
 
 
 def meta_model(config):
@@ -46,31 +43,31 @@ def meta_model(config):
         return Gemma4ForCausalLM(config)
 
 
+def _linears(module) -> list[torch.Tensor]:
+    return [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)]
+
+
 def component_bytes(model) -> list[dict]:
     """Bytes of the tables, linears and lm_head copy: bf16, int4 group-32 (the source's arithmetic),
     and as the course stores them (``int4_exact_bytes``: tables as ``table_bytes``)."""
     inner = model.model
-    linears = [m for n, m in inner.named_modules() if isinstance(m, torch.nn.Linear)]
+    linears = _linears(inner)
     rows = [  # (name, tensors, whether a table)
         ("embed_tokens", [inner.embed_tokens.weight], True),
         ("embed_tokens_per_layer", [inner.embed_tokens_per_layer.weight], True),
-        (f"linears ({len(linears)})", [m.weight for m in linears], False),
+        (f"linears ({len(linears)})", linears, False),
         ("lm_head copy", [model.lm_head.weight], True),
     ]
-    out = []
-    for name, tensors, is_table in rows:
-        numel = sum(t.numel() for t in tensors)
-        exact = [table_bytes(*t.shape) if is_table else int4_bytes(t.numel()) for t in tensors]
-        out.append(
-            {
-                "component": name,
-                "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
-                "bf16_bytes": numel * 2,
-                "int4_bytes": sum(int4_bytes(t.numel()) for t in tensors),
-                "int4_exact_bytes": sum(exact),
-            }
-        )
-    return out
+    return [
+        {
+            "component": name,
+            "shape": list(tensors[0].shape) if len(tensors) == 1 else "-",
+            "bf16_bytes": sum(t.numel() for t in tensors) * 2,
+            "int4_bytes": sum(int4_bytes(t.numel()) for t in tensors),
+            "int4_exact_bytes": sum(table_bytes(*t.shape) if is_table else int4_bytes(t.numel()) for t in tensors),
+        }
+        for name, tensors, is_table in rows
+    ]
 
 
 def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2, spare: int = 0) -> int:
@@ -80,22 +77,20 @@ def kv_cache_bytes(config, positions: int, ring: bool = False, dtype_bytes: int 
 
 
 def kv_read_bytes(config, positions: int, ring: bool = False, dtype_bytes: int = 2, spare: int = 0) -> int:
-    """Bytes of K and V one decode step reads: a K/V-sharing layer reads its type's last owner's
-    (E2B: 7 full layers read full length, 28 sliding ones a window with ``ring``)."""
+    """Bytes of K and V one decode step reads: a K/V-sharing layer reads its type's last owner's (E2B: 7 full
+    layers read full length, 28 sliding ones a window with ``ring``)."""
     return _kv_bytes(config, positions, ring, dtype_bytes, spare, read=True)
 
 
 def _kv_bytes(config, positions: int, ring: bool, dtype_bytes: int, spare: int, read: bool) -> int:
     total, owner = 0, {}
-    for i, (mode, kind) in enumerate(zip(config.kv_sharing_modes, config.layer_types)):
+    for mode, kind, layer in zip(config.kv_sharing_modes, config.layer_types, config.per_layer_config):
         if mode != "reuse":
-            owner[kind] = i
+            owner[kind] = layer
         elif not read:
             continue
-        layer = config.per_layer_config[owner[kind]]
-        ring_slots = min(positions, config.sliding_window + spare)
-        length = ring_slots if ring and kind == "sliding_attention" else positions
-        total += 2 * layer.num_key_value_heads * layer.head_dim * length * dtype_bytes
+        length = min(positions, config.sliding_window + spare) if ring and kind == "sliding_attention" else positions
+        total += 2 * owner[kind].num_key_value_heads * owner[kind].head_dim * length * dtype_bytes
     return total
 
 
@@ -108,19 +103,14 @@ def full_attention_bytes(config, positions: int, chunk: int = 1) -> dict[str, in
 
 
 def prefill_flops(config, chunk: int) -> dict[str, float]:
-    """Weight FLOPs per prefilled token (a multiply-add per weight; attention's scores not counted), for a prompt in
-    chunks of ``chunk`` rows: ``every row`` runs every layer and the head on each row (the ring's prefill before issue
-    44), ``head on one row`` every layer on each row (notebook 04's before it), ``cut`` the layers from the first
-    KV-sharing one on, and the head, on one row a chunk (transformers' cut)."""
+    """Weight FLOPs per prefilled token (a multiply-add per weight, not attention's scores) in chunks of ``chunk`` rows:
+    ``every row`` runs every layer and the head on each row (the ring's before issue 44), ``head on one row`` every layer
+    (notebook 04's before it), ``cut`` the layers from the first KV-sharing one and the head on one row a chunk."""
     model = meta_model(config)
     first_shared = config.num_hidden_layers - config.num_kv_shared_layers
-
-    def linears(layers) -> int:
-        return sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, torch.nn.Linear))
-
-    inner = model.model
-    own = 2 * (linears(inner.layers[:first_shared]) + linears([inner]) - linears(inner.layers))  # + per-layer inputs
-    shared, head = 2 * linears(inner.layers[first_shared:]), 2 * model.lm_head.weight.numel()
+    shared = 2 * sum(w.numel() for w in _linears(model.model.layers[first_shared:]))
+    own = 2 * sum(w.numel() for w in _linears(model.model)) - shared  # the first layers and the per-layer inputs
+    head = 2 * model.lm_head.weight.numel()
     return {
         "every row": own + shared + head,
         "head on one row": own + shared + head / chunk,
@@ -154,10 +144,9 @@ def assistant_config():
 
 
 def call_figures(k: int = 4, tokens_per_verify: float = 3.21, context: int = 256) -> dict:
-    """What one call of notebook 09 costs on a v5e-1, in decode steps, from E2B's configuration and the synthetic
-    assistant's (a hypothesis: no TPU ran it): each part's bytes at 819 GB/s plus its FLOPs at the bf16 peak. The
-    verify reads the bf16 step's bytes once for K+1 rows; each of the K drafts reads the assistant's weights (of its
-    ordered head, the top centroids' rows) and the target K/V of its layers."""
+    """One call of notebook 09 on a v5e-1 in decode steps, from E2B's and the assistant's configurations (a hypothesis:
+    no TPU ran it), bytes at 819 GB/s plus FLOPs at the bf16 peak: the verify reads the bf16 step's bytes once for K+1
+    rows, each of the K drafts the assistant's weights (its ordered head: the top centroids' rows) and target K/V."""
     from transformers import Gemma4AssistantForCausalLM
 
     step = next(r for r in step_figures(context) if r["step"] == "04 compiled decode")
@@ -168,14 +157,13 @@ def call_figures(k: int = 4, tokens_per_verify: float = 3.21, context: int = 256
     config = assistant_config()
     with torch.device("meta"):
         assistant = Gemma4AssistantForCausalLM(config)
-    text, ordered = config.get_text_config(), assistant.masked_embedding
-    head = assistant.lm_head.weight
+    ordered, head = assistant.masked_embedding, assistant.lm_head.weight
     skipped = head.shape[0] - ordered.centroid_intermediate_top_k * (head.shape[0] // ordered.num_centroids)
     params = sum(p.numel() for p in assistant.parameters()) - skipped * head.shape[1]
-    real = real_config().get_text_config()
-    owner = {kind: i for i, (mode, kind) in enumerate(zip(real.kv_sharing_modes, real.layer_types)) if mode != "reuse"}
-    layers = [real.per_layer_config[owner[kind]] for kind in text.layer_types]  # whose K/V each assistant layer reads
-    kv = sum(2 * layer.num_key_value_heads * layer.head_dim * context * 2 for layer in layers)  # K and V in bf16
+    real = real_config()
+    modes = zip(real.kv_sharing_modes, real.layer_types, real.per_layer_config)
+    owner = {kind: layer for mode, kind, layer in modes if mode != "reuse"}  # each type's last: its K/V are read
+    kv = sum(2 * owner[kind].num_key_value_heads * owner[kind].head_dim * context * 2 for kind in ASSISTANT_LAYERS)
     one_step = seconds(step["bytes_per_token"], step["flops_per_token"])
     verify = seconds(step["bytes_per_token"], (k + 1) * step["flops_per_token"]) / one_step
     draft = k * seconds(params * 2 + kv, 2 * params) / one_step
@@ -195,10 +183,8 @@ def estimate_device_bytes(config, dequantize: bool) -> int:
     weight to bf16 at load or on the first forward, keeping the scales too unless ``dequantize``."""
     model = meta_model(config)
     bf16 = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts tied weights once
-    if dequantize:
-        return bf16
-    linears = [m.weight.numel() for n, m in model.model.named_modules() if isinstance(m, torch.nn.Linear)]
-    return bf16 + sum(n // GROUP_SIZE * 2 for n in linears)
+    scales = sum(w.numel() // GROUP_SIZE * 2 for w in _linears(model.model))
+    return bf16 if dequantize else bf16 + scales
 
 
 def fit_options(config, max_len: int = CONTEXT) -> list[dict]:
@@ -207,67 +193,43 @@ def fit_options(config, max_len: int = CONTEXT) -> list[dict]:
     parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
     linears, table = parts["linears"], parts["embed_tokens_per_layer"]
     cache = kv_cache_bytes(config, max_len, ring=True)
-    return [
-        {"option": "linears kept packed in int4 (notebook 07)", "saves": linears["bf16_bytes"] - linears["int4_bytes"]},
-        {
-            "option": "per-layer table in host memory, one row per token (vs notebook 05's 4-bit table)",
-            "saves": table["int4_exact_bytes"],
-        },
-        {
-            "option": f"ring cache for {max_len // 4:,} positions instead of {max_len:,}",
-            "saves": cache - kv_cache_bytes(config, max_len // 4, ring=True),
-        },
-        {"option": f"KV cache in int8 ({max_len:,} positions)", "saves": cache // 2},
-    ]
+    quarter = kv_cache_bytes(config, max_len // 4, ring=True)
+    saves = {
+        "linears kept packed in int4 (notebook 07)": linears["bf16_bytes"] - linears["int4_bytes"],
+        "per-layer table in host memory, one row per token (vs notebook 05's 4-bit table)": table["int4_exact_bytes"],
+        f"ring cache for {max_len // 4:,} positions instead of {max_len:,}": cache - quarter,
+        f"KV cache in int8 ({max_len:,} positions)": cache // 2,
+    }
+    return [{"option": option, "saves": saved} for option, saved in saves.items()]
 
 
 def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
     """Device bytes by component at E2B scale after steps 02-05, for notebook 05's stacked chart."""
     config = real_config()
     parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
-    kv = kv_cache_bytes(config, max_len)
     embed, table, linears = parts["embed_tokens"], parts["embed_tokens_per_layer"], parts["linears"]
+    kv = kv_cache_bytes(config, max_len)
+    loaded = {"embed_tokens": embed["bf16_bytes"], "per-layer table": table["bf16_bytes"]}
+    bf16 = loaded | {"linears": linears["bf16_bytes"]}  # compressed-tensors expands the linears on the 1st forward
     return {
-        "02 loading": {
-            "embed_tokens": embed["bf16_bytes"],
-            "per-layer table": table["bf16_bytes"],
-            "linears": linears["int4_bytes"],
-        },
-        "03 baseline generate": {
-            "embed_tokens": embed["bf16_bytes"],
-            "per-layer table": table["bf16_bytes"],
-            "linears": linears["bf16_bytes"],
-        },
-        "04 compiled decode": {
-            "embed_tokens": embed["bf16_bytes"],
-            "per-layer table": table["bf16_bytes"],
-            "linears": linears["bf16_bytes"],
-            "KV cache": kv,
-        },
-        "05 4-bit table": {
-            "embed_tokens": embed["bf16_bytes"],
-            "per-layer table": table["int4_exact_bytes"],
-            "linears": linears["bf16_bytes"],
-            "KV cache": kv,
-        },
+        "02 loading": loaded | {"linears": linears["int4_bytes"]},
+        "03 baseline generate": bf16,
+        "04 compiled decode": bf16 | {"KV cache": kv},
+        "05 4-bit table": bf16 | {"per-layer table": table["int4_exact_bytes"], "KV cache": kv},
     }
 
 
 def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: float = V5E_BYTES_PER_S) -> list[dict]:
-    """Per step at E2B scale: weights, bytes a step reads, cache, ceiling tok/s at ``bandwidth`` (a v5e's), FLOPs at
-    batch 1."""
+    """Per step at E2B scale: weights, bytes a step reads, cache, ceiling tok/s at ``bandwidth``, FLOPs at batch 1."""
     config = real_config()
     model = meta_model(config)
     inner = model.model
-    linears = [m.weight.numel() for m in inner.modules() if isinstance(m, torch.nn.Linear)]
+    linears = [w.numel() for w in _linears(inner)]
     embed = inner.embed_tokens.weight.numel()
     rows, cols = inner.embed_tokens_per_layer.weight.shape
     rest = sum(p.numel() for p in model.parameters()) - sum(linears) - embed - rows * cols  # norms, scalars
-    lin = {
-        "bf16": sum(linears) * 2,
-        "int4 bytes": sum(n + n // GROUP_SIZE * 2 for n in linears),  # a code per byte, not int8 quantization
-        "int4": sum(int4_bytes(n) for n in linears),
-    }
+    lin = {"bf16": sum(linears) * 2, "int4": sum(int4_bytes(n) for n in linears)}
+    lin["int4 bytes"] = sum(n + n // GROUP_SIZE * 2 for n in linears)  # a code per byte, not int8 quantization
     # (bytes, bytes of a row) as notebook 05 lays it out: float32 steps beside the codes, rows of 128-word multiples
     table = {"bf16": (rows * cols * 2, cols * 2), "int4": (table_bytes(rows, cols), table_row_words(cols) * 4)}
     head = {"bf16": embed * 2, "int4": table_bytes(*inner.embed_tokens.weight.shape)}
@@ -285,15 +247,15 @@ def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: flo
     for step, lin_fmt, table_fmt, head_fmt, positions, spare in steps:
         ring = {"ring": spare is not None, "spare": spare or 0}
         cache = kv_read_bytes(config, positions, **ring)
-        weights = lin[lin_fmt] + table[table_fmt][0] + head[head_fmt] + rest * 2
-        read = lin[lin_fmt] + table[table_fmt][1] + head[head_fmt] + rest * 2 + cache
+        held = lin[lin_fmt] + head[head_fmt] + rest * 2  # besides the per-layer table
+        read = held + table[table_fmt][1] + cache
         out.append(
             {
                 "step": step,
                 "linears": lin_fmt,
                 "per-layer table": table_fmt,
                 "head": head_fmt,
-                "weights_on_device": weights,
+                "weights_on_device": held + table[table_fmt][0],
                 "cache_held": kv_cache_bytes(config, positions, **ring),
                 "cache_read": cache,
                 "bytes_per_token": read,

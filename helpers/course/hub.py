@@ -21,6 +21,7 @@ QAT_REPO_ID = "google/gemma-4-E2B-it-qat-q4_0-unquantized"
 ASSISTANT_REPO_ID = "google/gemma-4-E2B-it-assistant"  # its drafter (notebook 09)
 MODEL_VAR = "HELPERS_MODEL"  # a repo id, a local folder, "tiny", or "e2b-synthetic"
 REVISION_VAR = "HELPERS_REVISION"
+_OR_TWIN = f"or continue on the tiny twin with os.environ['{MODEL_VAR}'] = 'tiny'."  # the way on without a token
 
 
 def describe(backend: Backend) -> str:
@@ -38,8 +39,7 @@ def describe(backend: Backend) -> str:
 
 
 def default_model(backend: Backend) -> str:
-    """What the series loads unless told: E2B on a TPU, E2B if it fits on a CUDA GPU (a Colab T4 or L4), else the
-    twin."""
+    """What the series loads unless told: E2B on a TPU, on a CUDA GPU if it fits (a Colab T4 or L4), else the twin."""
     return "e2b" if backend.on_tpu else "e2b if it fits" if backend.device.type == "cuda" else "twin"
 
 
@@ -78,7 +78,6 @@ class Checkpoint:
         return f"{kind}: {source}{rev} ({self.reason})"
 
 
-# --- the dtype and the config ----------------------------------------------------------------
 def series_dtype(checkpoint: Checkpoint) -> torch.dtype:
     """bf16 for the real model; float32 for the twin, whose close logits on unlearned prompts bf16 would round
     differently per program (measured on xla: parted at token 4)."""
@@ -113,16 +112,14 @@ def _hub_access(repo_id: str) -> tuple[str | bool, str | None]:
                 raise CheckpointError(
                     f"the Hub says {repo_id} is gated, so it needs a Hugging Face token with its licence accepted: "
                     f"accept it at https://huggingface.co/{repo_id}, then run huggingface_hub.login(), set HF_TOKEN, "
-                    f"or in Colab add the secret HF_TOKEN (the key icon, notebook access on), and rerun; or continue "
-                    f"on the tiny twin with os.environ['{MODEL_VAR}'] = 'tiny'."
+                    f"or in Colab add the secret HF_TOKEN (the key icon, notebook access on), and rerun; {_OR_TWIN}"
                 ) from None
             auth_check(repo_id, token=token)
             return token, None
     except GatedRepoError:
         raise CheckpointError(
             f"the Hugging Face token has no access to {repo_id}, which the Hub says is gated: accept its licence at "
-            f"https://huggingface.co/{repo_id} with the token's account, then rerun; or continue on the tiny "
-            f"twin with os.environ['{MODEL_VAR}'] = 'tiny'."
+            f"https://huggingface.co/{repo_id} with the token's account, then rerun; {_OR_TWIN}"
         ) from None
     except RepositoryNotFoundError:
         raise CheckpointError(f"{repo_id}: no such repository, or it is private to another account.") from None
@@ -171,9 +168,8 @@ def _choose(backend: Backend) -> Checkpoint:
     if asked == "tiny":
         return Checkpoint(str(build_tiny_twin()), None, True, f"{MODEL_VAR}=tiny")
     if asked == SYNTHETIC:  # E2B's size, format and bf16, random weights: for bytes, times and programs
-        return Checkpoint(
-            str(build_synthetic_e2b()), None, False, f"{MODEL_VAR}={SYNTHETIC}, built in the cache", synthetic=True
-        )
+        reason = f"{MODEL_VAR}={SYNTHETIC}, built in the cache"
+        return Checkpoint(str(build_synthetic_e2b()), None, False, reason, synthetic=True)
     if asked:
         return Checkpoint(asked, revision, False, f"{MODEL_VAR} is set")
     if default_model(backend) == "twin":
@@ -186,17 +182,13 @@ def _choose(backend: Backend) -> Checkpoint:
         where = f"a GPU where E2B fits ({numbers})"
     token, unreachable = _hub_access(REPO_ID)
     if unreachable is None:
-        return Checkpoint(
-            REPO_ID, revision, False, f"{where}, and the Hub " + ("with your token" if token else "(public)")
-        )
+        how = "with your token" if token else "(public)"
+        return Checkpoint(REPO_ID, revision, False, f"{where}, and the Hub {how}")
+    down = f"the Hub is unreachable ({unreachable})"
     cached = _cached_snapshot(REPO_ID, revision)
     if cached:
-        return Checkpoint(
-            REPO_ID, revision, False, f"the Hub is unreachable ({unreachable}): its cached snapshot", cached
-        )
-    return Checkpoint(
-        str(build_tiny_twin()), None, True, f"the Hub is unreachable ({unreachable}) and nothing is cached"
-    )
+        return Checkpoint(REPO_ID, revision, False, f"{down}: its cached snapshot", cached)
+    return Checkpoint(str(build_tiny_twin()), None, True, f"{down} and nothing is cached")
 
 
 def fetch(checkpoint: Checkpoint) -> Checkpoint:

@@ -1,16 +1,13 @@
-"""How the course shows what it measured: the results table (a row per step and label in the run folder's
-``results.json``) and the run folder, rows printed as a plain-text table with bytes in decimal units, the charts (device
-bytes by component, per-step times, roofline ceilings beside what was measured, notebook 06's context sweep, notebook
-07's variants, the closing charts), and the widgets: the streamer's text box and the chat, in ipywidgets.
-"""
-
-from __future__ import annotations
+"""How the course shows what it measured: the run folder and its results table (``results.json``, a row per step and
+label), plain-text tables with bytes in decimal units, the charts, and the ipywidgets of the streamer and the chat."""
 
 import html
 import json
 import os
 import pathlib
 from typing import Callable
+
+import numpy as np
 
 from ..chat import Chat
 from ..generate import StepStreamer
@@ -28,11 +25,7 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 
 def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+    return "-" if value is None else f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -98,30 +91,19 @@ class Results:
     def chart(self, value: str, title: str, source: str | None = None, step: str | None = None, log: bool = False):
         """A bar chart of ``value`` (of one ``step`` if given); the ``source`` column is drawn beside only
         if every row is E2B on a TPU: a twin's or a CPU's figures beside it would compare nothing."""
-        import matplotlib.pyplot as plt
-
         rows = [r for r in self.rows() if r.get(value) is not None and step in (None, r["step"])]
-        labels = [f"{r['step']}\n{r['label']}" for r in rows]
         beside = bool(source and rows and all(r.get("real_model") and r["backend"] == "tpu" for r in rows))
         models = ", ".join(sorted({str(r.get("model", "?")) for r in rows}))
         backends = ", ".join(sorted({r["backend"] for r in rows}))
-        fig, ax = plt.subplots(figsize=(max(4, 1.6 * len(rows)), 3.8))
-        xs = range(len(rows))
-        width = 0.4 if beside else 0.8
-        ax.bar([x - width / 2 if beside else x for x in xs], [r[value] for r in rows], width, label="this run")
+        fig, ax = _subplots(figsize=(max(4, 1.6 * len(rows)), 3.8))
+        xs, width = np.arange(len(rows)), 0.4 if beside else 0.8
+        shift = width / 2 if beside else 0
+        ax.bar(xs - shift, [r[value] for r in rows], width, label="this run")
         if beside:
-            ax.bar(
-                [x + width / 2 for x in xs],
-                [r.get(source) or 0 for r in rows],
-                width,
-                label="source (TPU v5e-1)",
-                color="tab:gray",
-            )
+            ax.bar(xs + shift, [r.get(source) or 0 for r in rows], width, label="source (TPU v5e-1)", color="tab:gray")
             ax.legend()
-        ax.set_xticks(list(xs), labels, fontsize=8)
-        ax.set_ylabel(value)
-        if log:
-            ax.set_yscale("log")
+        ax.set_xticks(xs, [f"{r['step']}\n{r['label']}" for r in rows], fontsize=8)
+        ax.set(ylabel=value, yscale="log" if log else "linear")
         apart = "" if beside or not source else "; the source's TPU figures are in the table, not beside these"
         ax.set_title(f"{title}\n{models} on {backends}, run {self.path.parent.name}{apart}", fontsize=9)
         fig.tight_layout()
@@ -129,50 +111,37 @@ class Results:
         return fig
 
 
-def stacked_bars(
-    bars: dict[str, dict[str, float]],
-    title: str,
-    ylabel: str = "GB",
-    scale: float = 1e9,
-    path: str | os.PathLike | None = None,
-):
-    """One stacked bar per label, one segment per component: where the bytes go."""
+def _subplots(*args, **kwargs):
+    """``plt.subplots``: matplotlib is imported when a chart is drawn, not with the course."""
     import matplotlib.pyplot as plt
 
+    return plt.subplots(*args, **kwargs)
+
+
+def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "GB", scale: float = 1e9):
+    """One stacked bar per label, one segment per component: where the bytes go."""
     components = list(dict.fromkeys(c for parts in bars.values() for c in parts))
-    fig, ax = plt.subplots(figsize=(max(4, 1.8 * len(bars)), 3.5))
+    fig, ax = _subplots(figsize=(max(4, 1.8 * len(bars)), 3.5))
     bottoms = [0.0] * len(bars)
     for component in components:
         heights = [parts.get(component, 0) / scale for parts in bars.values()]
         ax.bar(list(bars), heights, bottom=bottoms, label=component)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+    ax.set(ylabel=ylabel, title=title)
     ax.legend(fontsize=8)
     ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=100)
     return fig
 
 
-def step_plot(
-    series: dict[str, list[float]],
-    title: str,
-    counts: dict[str, list[int]] | None = None,
-    path: str | os.PathLike | None = None,
-):
+def step_plot(series: dict[str, list[float]], title: str, counts: dict[str, list[int]] | None = None):
     """Seconds per step, a line per series (log scale: compile spikes and warm steps differ by orders
     of magnitude); below it, what each step compiled."""
-    import matplotlib.pyplot as plt
-
     rows = 2 if counts else 1
-    fig, axes = plt.subplots(rows, 1, figsize=(7, 3 * rows), sharex=True, squeeze=False)
+    fig, axes = _subplots(rows, 1, figsize=(7, 3 * rows), sharex=True, squeeze=False)
     for label, seconds in series.items():
         axes[0, 0].plot(range(len(seconds)), seconds, marker="o", label=label)
-    axes[0, 0].set_yscale("log")
-    axes[0, 0].set_ylabel("seconds per step")
-    axes[0, 0].set_title(title)
+    axes[0, 0].set(yscale="log", ylabel="seconds per step", title=title)
     axes[0, 0].legend(fontsize=8)
     if counts:
         width = 0.8 / len(counts)
@@ -182,16 +151,12 @@ def step_plot(
         axes[1, 0].legend(fontsize=8)
     axes[-1, 0].set_xlabel("step (0 = prefill)")
     fig.tight_layout()
-    if path:
-        fig.savefig(path, dpi=100)
     return fig
 
 
 def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[str, float]):
     """Computed ceiling tok/s by step, the source's measured tok/s beside, and a peer's figure as a line."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    fig, ax = _subplots(figsize=(8, 3.8))
     ys = range(len(figures))
     ax.barh(list(ys), [f["ceiling_tok_s"] for f in figures], 0.4, label="ceiling at 819 GB/s (computed)")
     marked = [(y, measured[f["step"]]) for y, f in zip(ys, figures) if f["step"] in measured]
@@ -207,9 +172,7 @@ def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[s
 
 def variant_chart(rows: list[dict], title: str):
     """Decode tok/s and % of the read bandwidth, side by side, one bar per variant."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = _subplots(1, 2, figsize=(10, 3.6))
     labels = [r["variant"] for r in rows]
     for ax, key, unit in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "pct_of_bw", "% of read bandwidth")):
         ax.barh(labels, [r[key] for r in rows])
@@ -233,9 +196,7 @@ def closing_charts(results: Results):
 
 def plot_sweep(rows: list[dict], title: str):
     """Prefill time against prompt length and decode ms/token against context, a line per cache."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    fig, axes = _subplots(1, 2, figsize=(9, 3.5))
     x = [r["context"] for r in rows]
     labels = {
         "ring": "ring, one buffer length, compiled",
@@ -247,8 +208,7 @@ def plot_sweep(rows: list[dict], title: str):
             if f"{cache} {what}" in rows[0]:
                 ax.plot(x, [r[f"{cache} {what}"] for r in rows], "o-", label=label)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt length (tokens)" if what == "prefill s" else "context (tokens)")
-        ax.set_ylabel(unit)
+        ax.set(xlabel="prompt length (tokens)" if what == "prefill s" else "context (tokens)", ylabel=unit)
         ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

@@ -34,10 +34,9 @@ class Series:
     def same_tokens(self, tokens: list[int]) -> verdict.Verdict:
         """Whether ``tokens`` (cut to ``new_tokens``) are notebook 03's, teacher-forced against the
         reference model: programs round differently with threads, CPU and compiler."""
-        tokens = tokens[: self.new_tokens]
-        key = tuple(tokens)  # one teacher-forced forward per distinct list: at full size, seconds each
+        key = tuple(tokens[: self.new_tokens])  # one teacher-forced forward per distinct list: seconds each at E2B
         if key not in self._verdicts:  # looked up first: a dropped reference model is rebuilt only when needed
-            self._verdicts[key] = verdict.compare_tokens(tokens, self.reference, self.reference_model(), self.ids)
+            self._verdicts[key] = verdict.compare_tokens(list(key), self.reference, self.reference_model(), self.ids)
         return self._verdicts[key]
 
     def reference_model(self) -> torch.nn.Module:
@@ -47,14 +46,12 @@ class Series:
         return self._reference_model
 
     def drop_reference_model(self) -> None:
-        """Free the reference model (9 GB of host memory at E2B) until a comparison needs it again;
-        verdicts made are kept."""
+        """Free the reference model (9 GB of host memory at E2B) until a verdict needs it; verdicts made are kept."""
         self._reference_model = None
 
 
 def load_for_series(backend: Backend):
-    """Notebook 02's checkpoint, tokenizer and prompt as notebooks 03-08 use them (the twin in float32, its matmuls made
-    exact on a TPU)."""
+    """Notebook 02's checkpoint, model, tokenizer and prompt (the twin in float32, its matmuls exact on a TPU)."""
     checkpoint = hub.choose_checkpoint(backend)
     dtype = hub.series_dtype(checkpoint)
     if dtype == torch.float32:
@@ -67,15 +64,19 @@ def load_for_series(backend: Backend):
 
 
 def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
-    """The model as notebook ``after`` leaves it: 3 loaded, with reference tokens; 4 decompressed and
-    stripped of compressed-tensors' wrappers; 5 the per-layer table in 4-bit; 6 attention grouped."""
+    """The model as notebook ``after`` leaves it: 3 loaded, with notebook 03's reference tokens (made now if none are
+    saved); 4 decompressed, compressed-tensors' wrappers stripped; 5 per-layer table in 4-bit; 6 attention grouped."""
     if after not in (3, 4, 5, 6):
         raise ValueError(f"after={after}: the series can be prepared as notebook 3, 4, 5 or 6 leaves it")
     checkpoint, model, tokenizer, ids = load_for_series(backend)
-    print(checkpoint)
-    print(hub.describe(backend))
+    print(f"{checkpoint}\n{hub.describe(backend)}")
     new_tokens = backend.generation_length
-    reference = reference_tokens(checkpoint, model, tokenizer, ids, backend, new_tokens, folder)
+    try:
+        reference = load_reference(checkpoint, backend, ids, new_tokens, folder)
+    except LookupError:
+        print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
+        reference, _, _ = generate.generate(model, tokenizer, ids, backend, new_tokens)
+        save_reference(checkpoint, backend, ids, new_tokens, reference, folder)
     series = Series(checkpoint, model, tokenizer, ids, new_tokens, reference, backend.timed_length)
     if after >= 4:
         with torch.no_grad():
@@ -88,7 +89,6 @@ def prepare(backend: Backend, after: int = 3, folder=None) -> Series:
     return series
 
 
-# --- the reference tokens -------------------------------------------------------------------
 def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int) -> str:
     """Model, backend, prompt and length: a reference is only valid for the same four."""
     prompt = hashlib.sha256(json.dumps(ids[0].tolist()).encode()).hexdigest()[:12]
@@ -98,7 +98,7 @@ def reference_key(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: i
 def save_reference(
     checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: int, tokens: list[int], folder=None
 ) -> str:
-    """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped)."""
+    """Save the tokens a run of at most ``new_tokens`` gave (fewer when it stopped); returns their key."""
     key = reference_key(checkpoint, backend, ids, new_tokens)
     update_json(run_dir(folder) / "reference_tokens.json", lambda saved: {**saved, key: tokens})
     return key
@@ -115,14 +115,3 @@ def load_reference(checkpoint, backend: Backend, ids: torch.Tensor, new_tokens: 
             f"no reference tokens for {key} in {path} (saved: {known}): run notebook 03 first, same settings"
         )
     return saved[key]
-
-
-def reference_tokens(checkpoint, model, tokenizer, ids, backend: Backend, new_tokens: int, folder=None) -> list[int]:
-    """Notebook 03's reference tokens from the run folder, else made now with HF generate."""
-    try:
-        return load_reference(checkpoint, backend, ids, new_tokens, folder)
-    except LookupError:
-        print("no reference tokens from notebook 03 in this run folder: making them with HF generate now")
-        tokens, _, _ = generate.generate(model, tokenizer, ids, backend, new_tokens)
-        save_reference(checkpoint, backend, ids, new_tokens, tokens, folder)
-        return tokens

@@ -18,29 +18,11 @@ from .report import RUN_DIR_VAR, Results, closing_charts, run_dir
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 NOISY = 1.5  # the fastest of a step's 3 timed runs over the slowest, past which it is flagged
-COLUMNS = [
-    "step",
-    "label",
-    "backend",
-    "ms",
-    "speedup_vs_eager",
-    "source_speedup",
-    "load_s",
-    "device_bytes",
-    "same_tokens",
-    "decode_tok_s",
-    "prefill_s",
-    "compiles",
-    "first_call_s",
-    "payback_tokens",
-    "peak_bytes",
-    "source_tok_s",
-    "tok_s_spread",
-    "bytes_per_token",
-    "tokens_per_verify",
-    "GB_per_s",
-    "pct_of_bw",
-]
+COLUMNS = (
+    "step label backend ms speedup_vs_eager source_speedup load_s device_bytes same_tokens decode_tok_s prefill_s "
+    "compiles first_call_s payback_tokens peak_bytes source_tok_s tok_s_spread bytes_per_token tokens_per_verify "
+    "GB_per_s pct_of_bw"
+).split()
 
 
 class NotebookFailed(RuntimeError):
@@ -69,13 +51,9 @@ def execute(path: pathlib.Path, folder: pathlib.Path, env: dict[str, str]) -> fl
     notebook = nbformat.read(path, as_version=4)
     code = sum(cell.cell_type == "code" for cell in notebook.cells)
     saved = folder / path.name
-    client = NotebookClient(
-        notebook,
-        timeout=None,
-        kernel_name="python3",
-        resources={"metadata": {"path": str(path.parent)}},
-        extra_arguments=["--IPKernelApp.log_level=ERROR"],  # not its notice that local TCP is unencrypted
-    )
+    resources = {"metadata": {"path": str(path.parent)}}  # the kernel starts in the notebook's folder
+    quiet = ["--IPKernelApp.log_level=ERROR"]  # not its notice that local TCP is unencrypted
+    client = NotebookClient(notebook, timeout=None, kernel_name="python3", resources=resources, extra_arguments=quiet)
     start = time.perf_counter()
     with tqdm(total=code, desc=path.stem, unit="cell", leave=False) as bar:
         client.on_cell_executed = lambda **_: bar.update()

@@ -36,18 +36,16 @@ def reference_model(checkpoint: Checkpoint, dtype: torch.dtype = torch.bfloat16)
             if name.endswith(".weight_packed"):
                 stem = key[: -len("packed")]
                 shape = torch.Size(tensors.get(stem + "shape").tolist())
-                scale = tensors.get(stem + "scale").float()
-                codes = unpack_from_int32(tensor, 4, shape).float()
-                tensor = (codes.reshape(shape[0], -1, GROUP_SIZE) * scale[..., None]).reshape(shape)
+                groups = unpack_from_int32(tensor, 4, shape).float().reshape(shape[0], -1, GROUP_SIZE)
+                tensor = (groups * tensors.get(stem + "scale").float()[..., None]).reshape(shape)
                 name = name[: -len("_packed")]
             state[name] = tensor.to(dtype)
     model = Gemma4ForCausalLM.from_pretrained(None, config=config, state_dict=state, dtype=dtype).eval()
     if (folder / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(folder)
-    peak = host_peak_bytes()
     print(
         f"reference model: {fmt_bytes(sum(t.numel() * t.element_size() for t in state.values()))} of text-decoder "
-        f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(peak)}"
+        f"weights in {dtype}; this process's peak host memory so far: {fmt_bytes(host_peak_bytes())}"
     )
     return model
 
@@ -59,8 +57,7 @@ def greedy_tokens(model, ids: torch.Tensor, new_tokens: int) -> list[int]:
 
 
 def check_tokens(backend: Backend, checkpoint: Checkpoint, ids: torch.Tensor, new_tokens: int) -> list[int]:
-    """The reference model's greedy tokens on the device of the loads they check (bf16 rounding
-    differs between devices)."""
+    """The reference model's greedy tokens on the device of the loads they check: bf16 rounds differently per device."""
     reference = reference_model(checkpoint).to(backend.device)
     tokens = greedy_tokens(reference, ids, new_tokens)
     unload(reference, backend)
@@ -97,23 +94,17 @@ class Verdict:
         return self.same
 
     def __str__(self) -> str:
-        how = (
-            "equal lists"
-            if self.exact
-            else f"teacher-forced, near ties within {self.tolerance_ulps} {self.dtype} ulps,"
-            f" largest gap seen {self.largest_ulps:.1f} ulps"
-        )
+        forced = f"teacher-forced, near ties within {self.tolerance_ulps} {self.dtype} ulps"
+        how = "equal lists" if self.exact else f"{forced}, largest gap seen {self.largest_ulps:.1f} ulps"
         parts = "never part" if self.first_divergence is None else f"first part at token {self.first_divergence}"
         if self.gap is not None and self.first_divergence is not None:
             parts += f" (reference logit gap there {self.gap:.3g})"
         ties = f", {len(self.near_ties)} near tie(s) at {[p for p, _ in self.near_ties]}" if self.near_ties else ""
         failed = ""
-        if self.failed_at is not None:
-            failed = (
-                f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
-                if self.failed_ulps is not None
-                else f", one list ends at token {self.failed_at} where the other goes on"
-            )
+        if self.failed_at is not None and self.failed_ulps is not None:
+            failed = f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
+        elif self.failed_at is not None:
+            failed = f", one list ends at token {self.failed_at} where the other goes on"
         return f"same tokens: {self.same} ({how}; {parts}{ties}{failed})"
 
 
