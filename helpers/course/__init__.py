@@ -4,20 +4,7 @@ Modules load on first use."""
 
 import importlib
 
-_MODULES = {
-    "audits",
-    "e2b",
-    "hub",
-    "measure",
-    "offline",
-    "report",
-    "series",
-    "setup",
-    "sources",
-    "steps",
-    "tour",
-    "verdict",
-}
+_MODULES = set("audits e2b hub measure offline report series setup sources steps tour verdict".split())
 
 
 def __getattr__(name):
