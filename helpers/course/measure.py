@@ -1,5 +1,4 @@
-"""What the notebooks measure: modes, read bandwidth, HF ``generate``, a compiled decoder's runs and
-profile, ``StaticCache`` recompiling, and the ring against HF's default cache over context lengths."""
+"""What the notebooks measure: HF ``generate``, compiled decoders (runs, profile, recompiles), bandwidth, contexts."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import functools
 import statistics
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm.auto import tqdm
 
 from ..backend import V5E_BYTES_PER_S, Backend, get_backend
@@ -15,7 +15,9 @@ from ..decode import Decoder, cache_bytes, cache_read_bytes, greedy_step
 from ..generate import generate, greedy_config, stop_ids, until_stop
 from ..ring import RingCache, RingDecoder, inside_generate
 from ..timing import time_fed, time_fn
-from .audits import memory_report
+
+DEFER_AND_FUSE_TOKENS = 8  # a first call compiles the model at each step: 8 show it (32: 32 E2B compiles on a TPU)
+READS = 9  # timed reads of the bandwidth probe: the best is the bandwidth, the slowest over it the spread
 
 
 @contextlib.contextmanager
@@ -27,8 +29,7 @@ def no_recompiles():
 
 @contextlib.contextmanager
 def compiled_forward(model, **compile_options):
-    """HF's recipe for a faster ``generate``: the forward ``torch.compile``d inside the block; pass
-    ``cache_implementation="static"``."""
+    """HF's recipe for a faster ``generate`` (``cache_implementation="static"``): the forward compiled in the block."""
     model.forward = torch.compile(model.forward, **compile_options)
     try:
         yield
@@ -39,94 +40,66 @@ def compiled_forward(model, **compile_options):
 def measure(
     model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs
 ) -> dict:
-    """Median prefill seconds and decode tokens/s over ``repeats`` runs of exactly ``new_tokens`` (no
-    stop: each run times the same count; each step ends with the token on the host, so synced)."""
-    runs = []
-    for i in range(warmup + repeats):
-        tokens, streamer, _ = generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)
-        if i >= warmup:
-            runs.append(streamer.step_seconds)
-    prefill = statistics.median(r[0] for r in runs)
-    rates = [(len(r) - 1) / sum(r[1:]) for r in runs]
+    """Median prefill s and decode tok/s of ``repeats`` runs of exactly ``new_tokens`` (each step ends on the host)."""
+    runs = [  # (tokens, streamer): each output let go, its cache with it
+        generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)[:2] for _ in range(warmup + repeats)
+    ]
+    steps = [streamer.step_seconds for _, streamer in runs[warmup:]]
+    rates = [(len(s) - 1) / sum(s[1:]) for s in steps]
     return {
-        "prefill_s": prefill,
+        "prefill_s": statistics.median(s[0] for s in steps),
         "decode_tok_s": statistics.median(rates),
         "tok_s_spread": max(rates) / min(rates),
         "rates": rates,
-        "tokens": until_stop(tokens, stop_ids(model)),
+        "tokens": until_stop(runs[-1][0], stop_ids(model)),
         "repeats": repeats,
     }
 
 
+@torch.no_grad()
 def ops_per_step(model, context: int = 26) -> dict[str, int]:
     """The aten ops of one eager decode step: ``compute`` (new data, each a host launch) and ``views``.
     A ``TorchDispatchMode`` counts them even on the meta device (E2B's real config); no profiler does."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     counts = {"compute": 0, "views": 0}
 
-    class Count(TorchDispatchMode):
+    class Count(torch.utils._python_dispatch.TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             counts["views" if func.is_view else "compute"] += 1
             return func(*args, **(kwargs or {}))
 
     device = next(model.parameters()).device
-    with torch.no_grad():
-        cache = model(torch.zeros(1, context, dtype=torch.long, device=device), use_cache=True).cache
-        token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        with Count():
-            model(token, cache=cache, use_cache=True)
+    cache = model(torch.zeros(1, context, dtype=torch.long, device=device), use_cache=True).cache
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)  # made outside the count
+    with Count():
+        model(token, cache=cache, use_cache=True)
     return counts
 
 
-# Defer-and-fuse compiles the whole model for each new shape, i.e. each step of a first call:
-# 8 steps show it (32 would be 32 E2B compiles on a TPU); the xla backend uses 8 throughout.
-DEFER_AND_FUSE_TOKENS = 8
-
-
 def first_and_second_call(model, tokenizer, ids, backend: Backend, new_tokens: int) -> dict[str, dict]:
-    """Per mode (not compile): seconds and device programs per step of a first and an identical
-    second call. Defer-and-fuse generates at most ``DEFER_AND_FUSE_TOKENS``."""
+    """Per mode but compile: seconds and programs compiled per step of a first and an identical second call."""
     calls = {}
-    for mode in backend.modes:
-        if mode == "compile":
-            continue  # HF generate as such is not compiled here: notebook 04 compiles a decode step
+    for mode in [m for m in backend.modes if m != "compile"]:  # notebook 04 compiles a decode step, not generate
         length = min(new_tokens, DEFER_AND_FUSE_TOKENS) if mode == "defer_and_fuse" else new_tokens
         with backend.mode(mode):
-            tokens, first, _ = generate(model, tokenizer, ids, backend, length)
-            _, second, _ = generate(model, tokenizer, ids, backend, length)
-        calls[mode] = {
-            "tokens": tokens,
-            "first": first.step_seconds,
-            "second": second.step_seconds,
-            "programs_first": first.step_programs,
-            "programs_second": second.step_programs,
-        }
+            (tokens, first, _), (_, second, _) = [generate(model, tokenizer, ids, backend, length) for _ in range(2)]
+        calls[mode] = {"tokens": tokens, "first": first.step_seconds, "second": second.step_seconds}
+        calls[mode] |= {"programs_first": first.step_programs, "programs_second": second.step_programs}
     return calls
-
-
-def device_bytes(model, cache) -> int:
-    """Weights and buffers (tied ones once) plus the KV cache, from their tensors."""
-    return sum(r["bytes"] for r in memory_report(model)) + cache_bytes(cache)
 
 
 def profiler_activities(backend: Backend) -> list:
     """What torch.profiler records: the host, and on cuda the kernels; on tpu and xla only the host's side."""
-    from torch.profiler import ProfilerActivity
-
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if backend.device.type == "cuda" else [])
 
 
 def profiler_sort(backend: Backend) -> str:
+    """The profiler table's sort key: the kernels' self time on cuda, else the host's."""
     return "self_cuda_time_total" if backend.device.type == "cuda" else "self_cpu_time_total"
 
 
 @torch.no_grad()
 def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
-    """torch.profiler's table of the ops with the most self time over ``steps`` compiled decode calls; on tpu and xla
-    the host's side only (the device's own profilers are not wired in)."""
-    from torch.profiler import profile
-
+    """torch.profiler's top ops by self time over ``steps`` compiled decode calls (tpu, xla: the host's side only)."""
     token, position = decoder.prefill(ids)
     decoder.backend.sync()
     with profile(activities=profiler_activities(decoder.backend)) as prof:
@@ -138,8 +111,7 @@ def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
 
 
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
-    """``repeats`` runs of exactly ``new_tokens``, each after a prefill timed alone: median prefill
-    seconds and decode tokens/s (run time less prefill); every run must give the same tokens."""
+    """Median prefill s and decode tok/s (a run less its prefill, timed alone) of ``repeats`` same-token runs."""
     sync = decoder.backend.sync
     prefills, runs, outputs = [], [], []
     for _ in range(repeats):  # alternated, so both see the same state of a shared machine
@@ -171,41 +143,33 @@ def context_sweep(
     (and eager), ``bucketed``, and HF's default ``DynamicCache`` (eager); compiled before timing."""
     backend, model, rows = decoder.backend, decoder.model, []
 
-    def ms_per_step(step, token, position):
-        return 1e3 * time_fed(step, (token, position), sync=backend.sync, repeats=steps).median
+    def ms_per_step(step, state):  # ``step`` fed its own (token, position), from ``state``
+        return 1e3 * time_fed(step, state, sync=backend.sync, repeats=steps).median
 
     def calls(ring):  # one decode call fed its own token, on the bucket that holds it
         return lambda token, position: ring.call(token, position)[1:]
 
-    def once(fn, *args, **kwargs):  # a prefill: timed once, its output kept
-        return time_fn(fn, *args, sync=backend.sync, warmup=0, repeats=1, **kwargs)
-
     vocab = model.config.get_text_config().vocab_size
-    prompts = [
-        torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device) for n in lengths
-    ]
     rings = {"ring": decoder} | ({"buckets": bucketed} if bucketed is not None else {})
-    for ids in tqdm(prompts, desc="contexts"):
-        length, row = ids.shape[1], {"context": ids.shape[1]}
+    for n in tqdm(lengths, desc="contexts"):
+        ids = torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(n)).to(backend.device)
+        row = {"context": n}
         for name, ring in rings.items():
             ring.generate(ids, steps + 1, stop_ids=())  # compiled for this length (its bucket's programs)
-            prefill = once(ring.prefill, ids)
+            prefill = time_fn(ring.prefill, ids, sync=backend.sync, warmup=0, repeats=1)  # timed once, its output kept
             row[f"{name} prefill s"] = prefill.median
-            row[f"{name} ms/token"] = ms_per_step(calls(ring), *prefill.last)
+            row[f"{name} ms/token"] = ms_per_step(calls(ring), prefill.last)
             row[f"{name} cache bytes"] = cache_bytes(ring.cache)
             row[f"{name} bytes read"] = cache_read_bytes(model, ring.cache)
         if eager:
-            token, position = decoder.prefill(ids)
-            row["ring eager ms/token"] = ms_per_step(decoder.step, token, position)
+            row["ring eager ms/token"] = ms_per_step(decoder.step, decoder.prefill(ids))
         if hf_default:
-            prefill = once(model, ids, use_cache=True)
-            out = prefill.last
+            prefill = time_fn(model, ids, use_cache=True, sync=backend.sync, warmup=0, repeats=1)
+            cache, logits = prefill.last.past_key_values, prefill.last.logits
             row["HF prefill s"] = prefill.median
-            step = functools.partial(greedy_step, model, out.past_key_values)
-            row["HF ms/token"] = ms_per_step(
-                step, out.logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[length]], device=backend.device)
-            )
-            row["HF cache bytes"] = cache_bytes(out.past_key_values)
+            first = logits[:, -1].argmax(-1, keepdim=True), torch.tensor([[n]], device=backend.device)
+            row["HF ms/token"] = ms_per_step(functools.partial(greedy_step, model, cache), first)
+            row["HF cache bytes"] = cache_bytes(cache)
         rows.append(row)
     return rows
 
@@ -214,41 +178,27 @@ def context_sweep(
 def generate_on_ring(model, ids, backend, new_tokens: int, max_len: int, compiled: bool = False):
     """transformers' greedy ``generate`` on a ``RingCache`` (exactly ``new_tokens``); ``compiled``: the forward compiled
     as HF's recipe, graphs counted per token. Returns (tokens, cache, graphs per token or None)."""
-    from torch._dynamo.utils import counters
-
     if compiled and not backend.runs_compiled_generate:
         raise NotImplementedError(
             "generate with a compiled forward over lazy XLA tensors crashes torch_xla 2.9's process: "
             "on xla use RingDecoder.generate (compiled with openxla) or compiled=False"
         )
 
-    class Graphs:  # a streamer that only counts
-        def __init__(self):
-            self.seen: list[int] = []
-
+    class Graphs(list):  # a streamer that only counts: the graphs compiled so far, at each token
         def put(self, value):
             backend.flush()
-            self.seen.append(counters["stats"]["unique_graphs"])
+            self.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
         def end(self):
             pass
 
     cache, graphs = RingCache(model, max_len, model.config.get_text_config().sliding_window), Graphs()
-    if compiled:
-        model.forward = torch.compile(model.forward, backend="eager", dynamic=False)
-    try:
-        with inside_generate(model):
-            out = model.generate(
-                ids, generation_config=greedy_config(model, new_tokens, stop=False), cache=cache, streamer=graphs
-            )
-    finally:
-        if compiled:
-            del model.forward  # back to the class's own, eager
-    per_token = [b - a for a, b in zip(graphs.seen, graphs.seen[1:])] if compiled else None
+    forward = compiled_forward(model, backend="eager", dynamic=False) if compiled else contextlib.nullcontext()
+    with forward, inside_generate(model):
+        config = greedy_config(model, new_tokens, stop=False)
+        out = model.generate(ids, generation_config=config, cache=cache, streamer=graphs)
+    per_token = [b - a for a, b in zip(graphs, graphs[1:])] if compiled else None
     return out.sequences[0, ids.shape[1] :].tolist(), cache, per_token
-
-
-READS = 9  # timed reads of the probe: the best is the bandwidth, the slowest over it the spread
 
 
 @functools.cache
@@ -268,18 +218,15 @@ def read_bandwidth(backend: Backend, megabytes: int = 256) -> tuple[float, str]:
     return best, f"measured here: the max of {megabytes} MB, best of {READS} reads, slowest {spread:.2f}x slower"
 
 
+@torch.no_grad()
 def cache_passes(model, ids, backend: Backend, lengths: tuple[int, int], repeats: int = 16) -> dict:
-    """How many passes over its cache a decode step makes, from its time at one context with static caches of two
-    ``lengths``: the extra seconds times the read bandwidth over the extra cache bytes. About 1 where the step reads its
-    cache and writes one position in place; 3 or more where each call's cache comes back as a new buffer copied into
-    the old one (a read, a write and a copy's read and write)."""
+    """Passes over its cache a decode step makes: its extra seconds at static caches of two ``lengths`` times the read
+    bandwidth over the extra bytes (about 1 where it writes in place, 3 or more where a new cache is copied in)."""
     seconds, held = [], []
     for max_len in lengths:
         decoder = Decoder(model, backend, max_len)
         decoder.generate(ids, 2, stop_ids=())  # compiled here, not in the timing
-        with torch.no_grad():
-            start = decoder.prefill(ids)
-            seconds.append(time_fed(decoder.decode_step, start, sync=backend.sync, repeats=repeats).median)
+        seconds.append(time_fed(decoder.decode_step, decoder.prefill(ids), sync=backend.sync, repeats=repeats).median)
         held.append(cache_bytes(decoder.cache))
         del decoder
     bandwidth, how = read_bandwidth(backend)
