@@ -95,7 +95,7 @@ def test_at_full_size_the_layout_has_the_exports_tensors_and_bytes():
             for k, t in Gemma4ForConditionalGeneration(config).state_dict().items()
             if k.startswith("model.") and not k.startswith("model.language_model.")
         }
-    entries = list(offline._entries(text, e2b.meta_model(text), towers, 0))  # names and sizes: nothing made
+    entries = list(offline._entries(e2b.meta_model(text), towers, 0))  # names and sizes: nothing made
     size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s, _ in entries)
     assert len(entries) == 2504 and round(size / 2**30, 2) == 7.74  # the export: 2,504 tensors, 7.75 GiB
     assert sum(k.startswith("model.vision_tower.") for k in towers) == 658
