@@ -2,8 +2,6 @@
 programs XLA is handed, read from the ``xla`` backend's dumps: 64-bit integer ops (pairs of 32-bit ones on a TPU), the
 KV cache aliased or copied per step, the largest intermediate, memory. TorchTPU's StableHLO is not read."""
 
-from __future__ import annotations
-
 import contextlib
 import dataclasses
 import math

@@ -1,8 +1,6 @@
 """Which checkpoint, and getting it: Google's repository through the Hugging Face Hub (anonymous,
 a token only for a gated one; outages, the cache), a local folder, or the tiny offline twin."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 import pathlib

@@ -1,7 +1,5 @@
 """What the notebooks measure: HF ``generate``, compiled decoders (runs, profile, recompiles), bandwidth, contexts."""
 
-from __future__ import annotations
-
 import contextlib
 import functools
 import statistics

@@ -8,8 +8,6 @@ The synthetic E2B: the files and format of Google's `-ct` export (2,504 tensors,
 ids 1 and 106), random weights, for bytes, times, memory and programs at E2B scale, never for text. Chosen for it:
 transformers' default towers, a BPE at the real special ids (thinking at 107-109), ``LAYER_SCALAR``, ``QK_NORM``."""
 
-from __future__ import annotations
-
 import copy
 import json
 import os

@@ -1,8 +1,6 @@
 """The series so far, in one call: the model as notebook N leaves it, with the prompt, length and notebook 03's
 reference tokens, so the recipe (load, first forward, strip, 4-bit table) is written once, in the notebooks' order."""
 
-from __future__ import annotations
-
 import dataclasses
 import hashlib
 import json

@@ -3,8 +3,6 @@ so Colab's published runtimes are tested against it), then pip, shown. A TPU is 
 torch): this module imports no torch, which it may replace. Publishing (badges, set-up cells) is ``tools/publish.py``.
 """
 
-from __future__ import annotations
-
 import collections
 import dataclasses
 import importlib

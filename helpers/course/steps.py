@@ -1,8 +1,6 @@
 """The series' bookkeeping above the lessons: step names, every results-table row (one function per
 row, whichever notebook records it) with the source's figure beside it, and notebook 07's variants."""
 
-from __future__ import annotations
-
 import contextlib
 import statistics
 

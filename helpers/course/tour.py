@@ -5,8 +5,6 @@ failing cell stops the tour there.
     python -m helpers.course.tour [--backend cpu|cuda|tpu|xla] [--run-dir runs/tour] [--notebooks 01 03]
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import pathlib

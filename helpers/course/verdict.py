@@ -1,8 +1,6 @@
 """The series' one verdict on "the same tokens", and the reference it judges against: a plain
 model dequantized independently of the loading path, and HF ``generate``'s greedy tokens."""
 
-from __future__ import annotations
-
 import dataclasses
 import re
 
