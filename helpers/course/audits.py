@@ -16,10 +16,8 @@ from ..packed import CHECKPOINT_PREFIX, TEXT_PREFIX, CheckpointTensors, text_key
 def tensor_kind(name: str, tensor: torch.Tensor) -> str:
     """What a model tensor holds, by its name and dtype: packed int4, its scales, bf16, ..."""
     int4 = {"weight_packed": "packed int4", "weight_scale": "int4 scales", "weight_shape": "int4 shapes"}
-    for end, kind in int4.items():
-        if name.endswith(end):
-            return kind
-    return {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(tensor.dtype, str(tensor.dtype))
+    floats = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(tensor.dtype, str(tensor.dtype))
+    return next((kind for end, kind in int4.items() if name.endswith(end)), floats)
 
 
 def name_map(folder) -> list[dict]:
@@ -210,8 +208,7 @@ def audit(program: Program, cache_shapes: list[str] | None = None) -> dict:
 def summary(compiled: list[Program], cache_shapes: set[str]) -> dict:
     """Audit columns over a variant's programs (prefill, step): the largest of each figure, and
     whether every cache buffer was aliased in all."""
-    rows = [audit(p, cache_shapes) for p in compiled]
-    rows = [r for r in rows if r["cache_buffers"]]
+    rows = [row for row in (audit(p, cache_shapes) for p in compiled) if row["cache_buffers"]]
     if not rows:
         return {}
     return {

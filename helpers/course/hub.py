@@ -27,8 +27,7 @@ def describe(backend: Backend) -> str:
     parts = [f"backend {backend.name}", f"device {backend.device}"]
     if backend.device.type == "cuda":
         parts.append(torch.cuda.get_device_name(backend.device))
-    total = (backend.memory() or {}).get("total")
-    if total:
+    if total := (backend.memory() or {}).get("total"):
         parts.append(f"{total / 2**30:.1f} GiB device memory")
     if backend.lazy:
         parts.append(f"PJRT_DEVICE={os.environ['PJRT_DEVICE']}")
@@ -103,7 +102,6 @@ def _hub_access(repo_id: str) -> tuple[str | bool, str | None]:
     try:
         try:
             auth_check(repo_id, token=False)
-            return False, None
         except GatedRepoError:
             token = hf_token()
             if token is None:
@@ -113,7 +111,7 @@ def _hub_access(repo_id: str) -> tuple[str | bool, str | None]:
                     f"or in Colab add the secret HF_TOKEN (the key icon, notebook access on), and rerun; {_OR_TWIN}"
                 ) from None
             auth_check(repo_id, token=token)
-            return token, None
+        return token, None
     except GatedRepoError:
         raise CheckpointError(
             f"the Hugging Face token has no access to {repo_id}, which the Hub says is gated: accept its licence at "
@@ -123,16 +121,6 @@ def _hub_access(repo_id: str) -> tuple[str | bool, str | None]:
         raise CheckpointError(f"{repo_id}: no such repository, or it is private to another account.") from None
     except (OSError, HTTPError) as err:  # offline mode, connection errors, 5xx answers
         return token, f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else 'no answer'}"
-
-
-def _cached_snapshot(repo_id: str, revision: str | None) -> str | None:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=_PATTERNS, local_files_only=True)
-    except LocalEntryNotFoundError:
-        return None
 
 
 def free_bytes(backend: Backend) -> int | None:
@@ -182,11 +170,15 @@ def _choose(backend: Backend) -> Checkpoint:
     if unreachable is None:
         how = "with your token" if token else "(public)"
         return Checkpoint(REPO_ID, revision, False, f"{where}, and the Hub {how}")
+    from huggingface_hub import snapshot_download  # the Hub is down: its cache, if any
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
     down = f"the Hub is unreachable ({unreachable})"
-    cached = _cached_snapshot(REPO_ID, revision)
-    if cached:
-        return Checkpoint(REPO_ID, revision, False, f"{down}: its cached snapshot", cached)
-    return Checkpoint(str(build_tiny_twin()), None, True, f"{down} and nothing is cached")
+    try:
+        cached = snapshot_download(REPO_ID, revision=revision, allow_patterns=_PATTERNS, local_files_only=True)
+    except LocalEntryNotFoundError:
+        return Checkpoint(str(build_tiny_twin()), None, True, f"{down} and nothing is cached")
+    return Checkpoint(REPO_ID, revision, False, f"{down}: its cached snapshot", cached)
 
 
 def fetch(checkpoint: Checkpoint) -> Checkpoint:
@@ -212,7 +204,6 @@ def choose_assistant(checkpoint: Checkpoint) -> pathlib.Path:
     return fetch(Checkpoint(ASSISTANT_REPO_ID, None, False, "Google's assistant for E2B")).path
 
 
-# --- preflight: refuse before loading what cannot fit ----------------------------------------
 def preflight(
     config, backend: Backend, dequantize: bool, available: int | None = None, where: str | None = None
 ) -> str:

@@ -1,7 +1,6 @@
-"""Setting the course up in a notebook: the install step, a plan that leaves the runtime consistent (``plan`` is pure,
-so Colab's published runtimes are tested against it), then pip, shown. A TPU is found by ``helpers.chips`` (sysfs, no
-torch): this module imports no torch, which it may replace. Publishing (badges, set-up cells) is ``tools/publish.py``.
-"""
+"""Setting the course up in a notebook: a ``plan`` that leaves the runtime consistent (pure: Colab's published runtimes
+are tested against it), then pip, shown. ``helpers.chips`` finds a TPU in sysfs: this module imports no torch, which it
+may replace. Publishing (badges, set-up cells) is ``tools/publish.py``."""
 
 import collections
 import dataclasses
@@ -47,14 +46,12 @@ class SetupError(RuntimeError):
 
 
 class RestartNeeded(RuntimeError):
-    """An install replaced something already imported: no later cell may run on the stale copy.
-    A notebook shows its message alone."""
+    """An install replaced something already imported: no later cell may run on the stale copy."""
 
 
 @dataclasses.dataclass
 class Plan:
-    """``uninstall``, then ``torch`` (from the CPU index), then ``install``; ``constraints`` (tested
-    ranges) hold on every pip call."""
+    """``uninstall``, then ``torch`` (from the CPU index), then ``install``; ``constraints`` hold on every pip call."""
 
     torch: str | None = None
     install: list[str] = dataclasses.field(default_factory=list)
@@ -65,19 +62,16 @@ class Plan:
         return bool(self.torch or self.install or self.uninstall)
 
     def describe(self) -> str:
+        installs = [r for r in (self.torch, *self.install) if r]
         parts = [f"remove {' '.join(self.uninstall)}"] if self.uninstall else []
-        parts += [f"install {' '.join(([self.torch] if self.torch else []) + self.install)}"]
-        return "; ".join(parts) if self.torch or self.install else parts[0]
+        return "; ".join(parts + ([f"install {' '.join(installs)}"] if installs else []))
 
     def changed(self) -> list[str]:
-        return [
-            _norm(Requirement(r).name) for r in self.uninstall + ([self.torch] if self.torch else []) + self.install
-        ]
+        return [_norm(Requirement(r).name) for r in (*self.uninstall, self.torch, *self.install) if r]
 
 
 def import_names() -> dict[str, set[str]]:
-    """Each installed distribution's top-level import names (pyzmq: ``zmq``, PyYAML: ``yaml``,
-    setuptools also ``_distutils_hack``)."""
+    """Each installed distribution's top-level import names (pyzmq: ``zmq``, PyYAML: ``yaml``)."""
     names = collections.defaultdict(set)
     for module, distributions in importlib.metadata.packages_distributions().items():
         for distribution in distributions:
@@ -151,12 +145,8 @@ def plan(
         if name in NEEDS_TORCH_2_10 and _release(torch_after) < Version("2.10"):
             version = pins(XLA_REQUIREMENTS)[name]
         have = installed.get(_norm(name))
-        if have is None:
-            out.install.append(f"{name}=={version}")
-        elif colab and name in RUNTIME_VERSION_WILL_DO:
-            if not SpecifierSet(RUNTIME_VERSION_WILL_DO[name]).contains(_release(have)):
-                out.install.append(f"{name}=={version}")
-        elif colab and _release(have) != _release(version):
+        will_do = SpecifierSet(RUNTIME_VERSION_WILL_DO.get(name, f"=={_release(version)}"))
+        if have is None or (colab and not will_do.contains(_release(have))):
             out.install.append(f"{name}=={version}")
     if tpu:
         for name, version in TORCH_TPU.items():
@@ -195,22 +185,20 @@ def moved(before: dict[str, str], after: dict[str, str], todo: Plan) -> list[str
     """What pip changed beyond what ``todo`` named: ``name old -> new``, ``+name new``, ``-name``."""
     named = set(todo.changed())
     out = []
-    for name in sorted(before.keys() | after.keys()):
-        if name in named or before.get(name) == after.get(name):
-            continue
+    for name in sorted((before.keys() | after.keys()) - named):
         if name not in after:
             out.append(f"-{name}")
         elif name not in before:
             out.append(f"+{name} {after[name]}")
-        else:
+        elif before[name] != after[name]:
             out.append(f"{name} {before[name]} -> {after[name]}")
     return out
 
 
 def unmatched_extras(changed: set[str]) -> list[str]:
-    """Extras that no longer match a changed package (``pip check`` skips extras: jax's ``tpu``
-    extra pins its libtpu)."""
+    """Extras that no longer match a changed package (``pip check`` skips extras: jax's ``tpu`` extra pins libtpu)."""
     versions, out = installed_versions(), []
+    present = changed & versions.keys()  # not one pip removed
     for dist in importlib.metadata.distributions():
         for line in dist.requires or []:
             try:
@@ -219,9 +207,7 @@ def unmatched_extras(changed: set[str]) -> list[str]:
                 continue
             name = _norm(req.name)
             extra = re.search(r"extra\s*==\s*['\"]([^'\"]+)", str(req.marker or ""))
-            if not extra or name not in changed or name not in versions:
-                continue
-            if not req.specifier.contains(_release(versions[name]), prereleases=True):
+            if extra and name in present and not req.specifier.contains(_release(versions[name]), prereleases=True):
                 out.append(
                     f"{dist.metadata['Name']} {dist.version} [{extra.group(1)}] wants {req.name}{req.specifier}, "
                     f"now {versions[name]}"

@@ -98,11 +98,9 @@ class Verdict:
         if self.gap is not None and self.first_divergence is not None:
             parts += f" (reference logit gap there {self.gap:.3g})"
         ties = f", {len(self.near_ties)} near tie(s) at {[p for p, _ in self.near_ties]}" if self.near_ties else ""
-        failed = ""
+        failed = "" if self.failed_at is None else f", one list ends at token {self.failed_at} where the other goes on"
         if self.failed_at is not None and self.failed_ulps is not None:
             failed = f", token {self.failed_at} is no near tie ({self.failed_ulps:.1f} ulps)"
-        elif self.failed_at is not None:
-            failed = f", one list ends at token {self.failed_at} where the other goes on"
         return f"same tokens: {self.same} ({how}; {parts}{ties}{failed})"
 
 
@@ -133,8 +131,7 @@ def compare_tokens(
     gaps, ulps = teacher_forced_gaps(model, ids, tokens) if tokens else (torch.zeros(0), torch.ones(0))
     in_ulps = gaps / ulps
     ties = [(i, float(g)) for i, (g, u) in enumerate(zip(gaps, in_ulps)) if 0 < u <= tolerance_ulps]
-    failed = min((i for i, u in enumerate(in_ulps) if u > tolerance_ulps), default=ended)
-    failed = failed if ended is None else min(failed, ended)
+    failed = next((i for i, u in enumerate(in_ulps[:ended]) if u > tolerance_ulps), ended)
     gap = float(gaps[parted]) if parted is not None and parted < len(tokens) else None
     failed_ulps = float(in_ulps[failed]) if failed is not None and failed != ended else None
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
