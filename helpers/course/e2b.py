@@ -1,5 +1,4 @@
-"""Gemma 4 E2B at full scale without its weights: the real text configuration built on the
-meta device, and the bytes that follow from it (components, KV caches, device estimates)."""
+"""Gemma 4 E2B at full scale without weights: its real configuration on the meta device and the bytes that follow."""
 
 import json
 import pathlib
@@ -48,8 +47,7 @@ def _linears(module) -> list[torch.Tensor]:
 
 
 def component_bytes(model) -> list[dict]:
-    """Bytes of the tables, linears and lm_head copy: bf16, int4 group-32 (the source's arithmetic),
-    and as the course stores them (``int4_exact_bytes``: tables as ``table_bytes``)."""
+    """Bytes of the tables, linears, lm_head copy: bf16, int4 group-32 (the source's), and as the course stores them."""
     inner = model.model
     linears = _linears(inner)
     rows = [  # (name, tensors, whether a table)
@@ -118,13 +116,12 @@ def prefill_flops(config, chunk: int) -> dict[str, float]:
     }
 
 
-# Google's assistant's configuration is not in this repository's sources: E2B's widths, four layers (three sliding,
-# one full, all reading the target's K/V) and transformers' defaults for the ordered head (2,048 centroids, top 32).
 ASSISTANT_LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
 
 
 def assistant_config():
-    """The synthetic assistant's configuration: E2B's widths, ``ASSISTANT_LAYERS``, an ordered head."""
+    """The synthetic assistant's configuration (Google's is not in this repository's sources): E2B's widths, four
+    ``ASSISTANT_LAYERS`` reading the target's K/V, transformers' ordered-head defaults (2,048 centroids, top 32)."""
     from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
     facts = json.loads(E2B_CONFIG.read_text())  # the checkpoint's widths (its config object hides some)
@@ -154,9 +151,8 @@ def call_figures(k: int = 4, tokens_per_verify: float = 3.21, context: int = 256
     def seconds(read: float, flops: float) -> float:
         return read / V5E_BYTES_PER_S + flops / sources.V5E_BF16_FLOPS
 
-    config = assistant_config()
     with torch.device("meta"):
-        assistant = Gemma4AssistantForCausalLM(config)
+        assistant = Gemma4AssistantForCausalLM(assistant_config())
     ordered, head = assistant.masked_embedding, assistant.lm_head.weight
     skipped = head.shape[0] - ordered.centroid_intermediate_top_k * (head.shape[0] // ordered.num_centroids)
     params = sum(p.numel() for p in assistant.parameters()) - skipped * head.shape[1]
@@ -182,14 +178,12 @@ def estimate_device_bytes(config, dequantize: bool) -> int:
     """Device bytes the text decoder holds after a forward: compressed-tensors expands every packed
     weight to bf16 at load or on the first forward, keeping the scales too unless ``dequantize``."""
     model = meta_model(config)
-    bf16 = sum(p.numel() for p in model.parameters()) * 2  # parameters() counts tied weights once
-    scales = sum(w.numel() // GROUP_SIZE * 2 for w in _linears(model.model))
-    return bf16 if dequantize else bf16 + scales
+    scales = 0 if dequantize else sum(w.numel() // GROUP_SIZE * 2 for w in _linears(model.model))
+    return sum(p.numel() for p in model.parameters()) * 2 + scales  # parameters() counts tied weights once
 
 
 def fit_options(config, max_len: int = CONTEXT) -> list[dict]:
-    """What each way of fitting into less device memory saves (a host-memory per-layer table with a
-    row fetched per token is Gemma 3n's documented approach)."""
+    """What each way into less device memory saves (a host per-layer table, a row a token, is Gemma 3n's way)."""
     parts = {r["component"].split(" ")[0]: r for r in component_bytes(meta_model(config))}
     linears, table = parts["linears"], parts["embed_tokens_per_layer"]
     cache = kv_cache_bytes(config, max_len, ring=True)
@@ -222,12 +216,11 @@ def bytes_by_step(max_len: int = 256) -> dict[str, dict[str, int]]:
 def step_figures(context: int = 256, ring_context: int = CONTEXT, bandwidth: float = V5E_BYTES_PER_S) -> list[dict]:
     """Per step at E2B scale: weights, bytes a step reads, cache, ceiling tok/s at ``bandwidth``, FLOPs at batch 1."""
     config = real_config()
-    model = meta_model(config)
-    inner = model.model
+    inner = meta_model(config).model  # the head is tied to embed_tokens: no weights of its own
     linears = [w.numel() for w in _linears(inner)]
     embed = inner.embed_tokens.weight.numel()
     rows, cols = inner.embed_tokens_per_layer.weight.shape
-    rest = sum(p.numel() for p in model.parameters()) - sum(linears) - embed - rows * cols  # norms, scalars
+    rest = sum(p.numel() for p in inner.parameters()) - sum(linears) - embed - rows * cols  # norms, scalars
     lin = {"bf16": sum(linears) * 2, "int4": sum(int4_bytes(n) for n in linears)}
     lin["int4 bytes"] = sum(n + n // GROUP_SIZE * 2 for n in linears)  # a code per byte, not int8 quantization
     # (bytes, bytes of a row) as notebook 05 lays it out: float32 steps beside the codes, rows of 128-word multiples

@@ -18,11 +18,9 @@ DEFER_AND_FUSE_TOKENS = 8  # a first call compiles the model at each step: 8 sho
 READS = 9  # timed reads of the bandwidth probe: the best is the bandwidth, the slowest over it the spread
 
 
-@contextlib.contextmanager
 def no_recompiles():
-    """A recompile inside the block raises instead of silently compiling again."""
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        yield
+    """A recompile inside the ``with`` block raises instead of silently compiling again."""
+    return torch._dynamo.config.patch(error_on_recompile=True)
 
 
 @contextlib.contextmanager
@@ -35,9 +33,7 @@ def compiled_forward(model, **compile_options):
         del model.forward
 
 
-def measure(
-    model, tokenizer, ids, backend: Backend, new_tokens: int, repeats: int = 3, warmup: int = 1, **kwargs
-) -> dict:
+def measure(model, tokenizer, ids, backend: Backend, new_tokens: int, repeats=3, warmup=1, **kwargs) -> dict:
     """Median prefill s and decode tok/s of ``repeats`` runs of exactly ``new_tokens`` (each step ends on the host)."""
     runs = [  # (tokens, streamer): each output let go, its cache with it
         generate(model, tokenizer, ids, backend, new_tokens, stop=False, **kwargs)[:2] for _ in range(warmup + repeats)
@@ -110,18 +106,16 @@ def profile_steps(decoder: Decoder, ids, steps: int = 8, rows: int = 8) -> str:
 
 def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, repeats: int = 3) -> dict:
     """Median prefill s and decode tok/s (a run less its prefill, timed alone) of ``repeats`` same-token runs."""
-    sync = decoder.backend.sync
-    prefills, runs, outputs = [], [], []
+    once = {"sync": decoder.backend.sync, "warmup": 0, "repeats": 1}
+    prefills, runs = [], []
     for _ in range(repeats):  # alternated, so both see the same state of a shared machine
-        prefills += time_fn(lambda: decoder.prefill(ids)[0], sync=sync, warmup=0, repeats=1).times
-        run = time_fn(decoder.generate, ids, new_tokens, readback_every, stop_ids=(), sync=sync, warmup=0, repeats=1)
-        runs += run.times
-        outputs.append(run.last)
-    if any(out != outputs[0] for out in outputs):
+        prefills.append(time_fn(lambda: decoder.prefill(ids)[0], **once).median)
+        runs.append(time_fn(decoder.generate, ids, new_tokens, readback_every, stop_ids=(), **once))
+    if any(run.last != runs[0].last for run in runs):
         raise AssertionError(f"the {repeats} timed runs of one greedy decoder gave different tokens")
-    rates = [(new_tokens - 1) / max(run - prefill, 1e-9) for run, prefill in zip(runs, prefills)]
+    rates = [(new_tokens - 1) / max(run.median - prefill, 1e-9) for run, prefill in zip(runs, prefills)]
     return {
-        "tokens": until_stop(outputs[0], stop_ids(decoder.model)),
+        "tokens": until_stop(runs[0].last, stop_ids(decoder.model)),
         "prefill_s": statistics.median(prefills),
         "decode_tok_s": statistics.median(rates),
         "rates": rates,
@@ -130,12 +124,7 @@ def timed_generate(decoder: Decoder, ids, new_tokens: int, readback_every: int, 
 
 @torch.no_grad()
 def context_sweep(
-    decoder: RingDecoder,
-    lengths,
-    steps: int,
-    hf_default: bool = True,
-    eager: bool = False,
-    bucketed: RingDecoder | None = None,
+    decoder: RingDecoder, lengths, steps: int, hf_default=True, eager=False, bucketed: RingDecoder | None = None
 ) -> list[dict]:
     """Per prompt length: prefill s, decode ms/token, cache bytes and bytes read, on the compiled ring
     (and eager), ``bucketed``, and HF's default ``DynamicCache`` (eager); compiled before timing."""

@@ -1,5 +1,4 @@
-"""How the course shows what it measured: the run folder and its results table (``results.json``, a row per step and
-label), plain-text tables with bytes in decimal units, the charts, and the ipywidgets of the streamer and the chat."""
+"""How the course shows what it measured: the run folder's ``results.json``, text tables, charts and ipywidgets."""
 
 import html
 import json
@@ -17,11 +16,10 @@ def table(rows: list[dict], columns: list[str] | None = None) -> str:
     """A plain-text table of dict rows (columns: every key seen, in order of first use)."""
     if columns is None:
         columns = list(dict.fromkeys(k for r in rows for k in r))
-    cells = [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
+    cells = [columns] + [[_fmt(r.get(c)) for c in columns] for r in rows]  # the header first
+    widths = [max(map(len, column)) for column in zip(*cells)]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
 def _fmt(value) -> str:
@@ -44,8 +42,7 @@ DRIVE_RUNS = "/content/drive/MyDrive/gemma4-on-tpu/runs"
 
 
 def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
-    """The folder a run's notebooks share: ``$HELPERS_RUN_DIR``, else ``DRIVE_RUNS`` where Drive is
-    mounted (Colab gives each notebook a fresh runtime), else ``runs/latest``."""
+    """The run folder: ``$HELPERS_RUN_DIR``, else ``DRIVE_RUNS`` if mounted (fresh Colab runtimes), else runs/latest."""
     drive = pathlib.Path(DRIVE_RUNS)
     default = drive if drive.parent.parent.is_dir() else pathlib.Path("runs/latest")
     folder = pathlib.Path(path or os.environ.get(RUN_DIR_VAR) or default)
@@ -54,8 +51,7 @@ def run_dir(path: str | os.PathLike | None = None) -> pathlib.Path:
 
 
 def update_json(path: pathlib.Path, change: Callable, empty=dict):
-    """``change`` a run folder's JSON file under a lock (notebooks run side by side), replaced in one
-    step (a kernel killed mid-write leaves no half file). Returns what was written."""
+    """``change`` a run's JSON file, locked (notebooks run side by side), swapped in whole (no half file if killed)."""
     from filelock import FileLock
 
     with FileLock(f"{path}.lock"):
@@ -120,10 +116,9 @@ def _subplots(*args, **kwargs):
 
 def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "GB", scale: float = 1e9):
     """One stacked bar per label, one segment per component: where the bytes go."""
-    components = list(dict.fromkeys(c for parts in bars.values() for c in parts))
     fig, ax = _subplots(figsize=(max(4, 1.8 * len(bars)), 3.5))
     bottoms = [0.0] * len(bars)
-    for component in components:
+    for component in dict.fromkeys(c for parts in bars.values() for c in parts):  # in order of first use
         heights = [parts.get(component, 0) / scale for parts in bars.values()]
         ax.bar(list(bars), heights, bottom=bottoms, label=component)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
@@ -135,8 +130,7 @@ def stacked_bars(bars: dict[str, dict[str, float]], title: str, ylabel: str = "G
 
 
 def step_plot(series: dict[str, list[float]], title: str, counts: dict[str, list[int]] | None = None):
-    """Seconds per step, a line per series (log scale: compile spikes and warm steps differ by orders
-    of magnitude); below it, what each step compiled."""
+    """Seconds per step, a line per series (log scale: compiles dwarf warm steps); below, what each step compiled."""
     rows = 2 if counts else 1
     fig, axes = _subplots(rows, 1, figsize=(7, 3 * rows), sharex=True, squeeze=False)
     for label, seconds in series.items():
@@ -173,9 +167,8 @@ def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[s
 def variant_chart(rows: list[dict], title: str):
     """Decode tok/s and % of the read bandwidth, side by side, one bar per variant."""
     fig, axes = _subplots(1, 2, figsize=(10, 3.6))
-    labels = [r["variant"] for r in rows]
     for ax, key, unit in ((axes[0], "decode_tok_s", "decode tokens/s"), (axes[1], "pct_of_bw", "% of read bandwidth")):
-        ax.barh(labels, [r[key] for r in rows])
+        ax.barh([r["variant"] for r in rows], [r[key] for r in rows])
         ax.invert_yaxis()
         ax.set_xlabel(unit)
         ax.tick_params(axis="y", labelsize=8)
@@ -226,8 +219,8 @@ def text_widget():
 
 
 def chat_widget(chat: Chat):
-    """An ipywidgets chat on ``chat``: the reply streams in with live tok/s, then the context and
-    cache bytes. The widget's ``submit(text)`` sends a message as the button does (for scripts)."""
+    """An ipywidgets chat on ``chat``: replies stream at live tok/s, then context and cache bytes
+    (``.submit(text)`` sends as the button does, for scripts)."""
     import ipywidgets as w
     from IPython.display import display
 
