@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import needs_xla
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"

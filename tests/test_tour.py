@@ -7,8 +7,8 @@ import os
 
 import nbformat
 import pytest
-from conftest import NBVAL_RUN_DIR
 
+from conftest import NBVAL_RUN_DIR
 from helpers.course import tour
 from helpers.course.report import Results
 
