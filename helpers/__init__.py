@@ -18,14 +18,6 @@ if not tpu_chips():
         os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 
 
-def show(*functions) -> None:
-    """Print the source of each function or class: the lines a lesson teaches, read from the
-    module that runs them (so what is on screen is the code, not a copy of it)."""
-    import inspect
-
-    print("\n".join(inspect.getsource(f) for f in functions))
-
-
 def add_to_class(cls):
     """Add the decorated function to ``cls`` as a method (d2l's ``add_to_class``): a notebook writes a class over
     several short cells, and its module holds the class whole."""
@@ -82,4 +74,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = sorted(_EXPORTS.keys() | _MODULES | {"add_to_class", "show", "tpu_chips", "tpu_scan"})
+__all__ = sorted(_EXPORTS.keys() | _MODULES | {"add_to_class", "tpu_chips", "tpu_scan"})

@@ -238,8 +238,10 @@ class Backend:
                 return used | {"total": V5E_HBM_BYTES}
         if self.name == "xla":
             info = self._xla_memory_info()
-            peak = info and info.get("peak_bytes_used", info["bytes_used"])
-            return info and {"in_use": info["bytes_used"], "peak": peak, "total": info.get("bytes_limit")}
+            if not info:
+                return None
+            peak = info.get("peak_bytes_used", info["bytes_used"])
+            return {"in_use": info["bytes_used"], "peak": peak, "total": info.get("bytes_limit")}
         return None
 
     def _xla_memory_info(self) -> dict | None:

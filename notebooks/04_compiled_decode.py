@@ -448,7 +448,7 @@ assert sum(counts) > 1
 # call (`copy_`). At 131,328 positions that is about 1.6 GB more traffic a token, and a second
 # copy of the cache at the peak. Newer TorchTPU code has a `donated_inputs` list in its compiler,
 # which this compile path does not reach; no machine building the course could try another.
-# So this stays a hypothesis, and the cell below prints the test a reader's v5e-1 runs: the
+# So this stays a hypothesis, and the section's last code cell prints the test a reader's v5e-1 runs: the
 # step timed at one context with caches of two lengths. The extra time, times the bandwidth,
 # over the extra cache bytes counts the passes a step makes over its cache: about 1 if it
 # writes in place, 3 or more if each call's cache is copied back.
@@ -459,8 +459,8 @@ keeping = e2b.num_hidden_layers - e2b.num_kv_shared_layers  # the layers that ke
 ring = helpers.course.e2b.kv_cache_bytes(e2b, helpers.course.e2b.CONTEXT, ring=True)
 print(
     f"E2B: a step writes {2 * keeping} K/V buffers ({keeping} layers keep their own); at {helpers.course.e2b.CONTEXT:,}"
-    f" positions they hold {helpers.course.report.fmt_bytes(ring)} (notebook 06's ring): copied back after every call,"
-    f" {helpers.course.report.fmt_bytes(2 * ring)} more read and written a token"
+    f" positions they hold {helpers.course.report.fmt_bytes(ring)} (notebook 06's ring); if each call"
+    f" copies them back (the hypothesis above), {helpers.course.report.fmt_bytes(2 * ring)} more read and written a token"
 )
 # NBVAL_CHECK_OUTPUT
 

@@ -270,7 +270,7 @@ ASSISTANT_CONFIG = {k: v for k, v in TEXT_CONFIG.items() if k != "final_logit_so
     hidden_size_per_layer_input=0,
     use_double_wide_mlp=False,
     num_hidden_layers=4,
-    layer_types=["sliding_attention"] * 3 + ["full_attention"],
+    layer_types=e2b.ASSISTANT_LAYERS,  # E2B's assistant's: every layer reads the target's K/V
 )
 
 
@@ -471,7 +471,7 @@ def _build_synthetic(folder: pathlib.Path, seed: int, text_config, towers) -> di
     }
     saved["quantization_config"]["quantization_status"] = "compressed"
     (folder / "config.json").write_text(json.dumps(saved, indent=2))
-    GenerationConfig(bos_token_id=2, pad_token_id=0, eos_token_id=[1, 106]).save_pretrained(folder)
+    GenerationConfig(bos_token_id=2, pad_token_id=0, eos_token_id=[1, 106]).save_pretrained(folder)  # as in SPECIAL_IDS
     named = {i: t for t, i in (SPECIAL_IDS | CHOSEN_IDS).items()}
     specials = [named.get(n, f"<unused{n}>") for n in range(max(named) + 1)]
     extra = list(CHOSEN_IDS) + ["<|turn>", "<turn|>"]
@@ -494,5 +494,5 @@ def _build_synthetic_assistant(folder: pathlib.Path, seed: int) -> dict:
     assistant = Gemma4AssistantForCausalLM(config).to(torch.bfloat16)
     assistant.masked_embedding.token_ordering.copy_(torch.randperm(config.get_text_config().vocab_size))
     assistant.save_pretrained(folder)
-    GenerationConfig(num_assistant_tokens=4, num_assistant_tokens_schedule="constant").save_pretrained(folder)
+    GenerationConfig(num_assistant_tokens=DRAFTS, num_assistant_tokens_schedule="constant").save_pretrained(folder)
     return {"seed": seed}

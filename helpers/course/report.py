@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from ..backend import V5E_BYTES_PER_S
 from ..chat import Chat
 from ..generate import StepStreamer
 
@@ -152,7 +153,8 @@ def ceiling_chart(figures: list[dict], measured: dict[str, float], peer: tuple[s
     """Computed ceiling tok/s by step, the source's measured tok/s beside, and a peer's figure as a line."""
     fig, ax = _subplots(figsize=(8, 3.8))
     ys = range(len(figures))
-    ax.barh(list(ys), [f["ceiling_tok_s"] for f in figures], 0.4, label="ceiling at 819 GB/s (computed)")
+    ceiling = f"ceiling at {V5E_BYTES_PER_S / 1e9:.0f} GB/s (computed)"
+    ax.barh(list(ys), [f["ceiling_tok_s"] for f in figures], 0.4, label=ceiling)
     marked = [(y, measured[f["step"]]) for y, f in zip(ys, figures) if f["step"] in measured]
     ax.barh([y + 0.4 for y, _ in marked], [v for _, v in marked], 0.4, color="tab:gray", label="source, measured")
     ax.axvline(peer[1], color="tab:red", linestyle="--", label=f"{peer[0]}: {peer[1]} tok/s (its own figure)")

@@ -1,0 +1,1 @@
+"""Tools for the course's maintainers; a reader's run never imports them."""
