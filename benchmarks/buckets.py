@@ -22,17 +22,17 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
 import helpers
-from helpers import decode, roofline  # noqa: E402
-from helpers.course import e2b, measure  # noqa: E402
-from helpers.course.offline import SYNTHETIC  # noqa: E402
-from helpers.course.report import fmt_bytes, run_dir, table  # noqa: E402
-from helpers.course.series import load_for_series  # noqa: E402
-from helpers.qtable import keep_table_in_4bit  # noqa: E402
-from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
+from helpers import decode, roofline
+from helpers.course import e2b, measure
+from helpers.course.offline import SYNTHETIC
+from helpers.course.report import fmt_bytes, run_dir, table
+from helpers.course.series import load_for_series
+from helpers.qtable import keep_table_in_4bit
+from helpers.ring import RingDecoder, group_query_heads
 from helpers.timing import time_fed
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

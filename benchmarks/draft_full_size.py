@@ -22,10 +22,10 @@ import torch
 
 os.environ.setdefault("HELPERS_MODEL", "e2b-synthetic")
 
-import helpers  # noqa: E402
-from helpers import checkpoint, decode, draft, qlinear  # noqa: E402
-from helpers.course import hub, measure, verdict  # noqa: E402
-from helpers.course.report import table  # noqa: E402
+import helpers
+from helpers import checkpoint, decode, draft, qlinear
+from helpers.course import hub, measure, verdict
+from helpers.course.report import table
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="cpu, cuda or tpu (default: detected, or $HELPERS_BACKEND)")

@@ -29,18 +29,18 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
+import matplotlib.pyplot as plt
+import torch
 
-import helpers  # noqa: E402
-from helpers import decode  # noqa: E402
-from helpers.course import audits, e2b, hub, measure, sources, steps  # noqa: E402
-from helpers.course.measure import compiled_forward  # noqa: E402
-from helpers.course.offline import SYNTHETIC  # noqa: E402
-from helpers.course.report import Results, fmt_bytes, run_dir, table  # noqa: E402
-from helpers.course.series import Series, load_for_series, save_reference  # noqa: E402
-from helpers.qtable import keep_table_in_4bit  # noqa: E402
-from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
+import helpers
+from helpers import decode
+from helpers.course import audits, e2b, hub, measure, sources, steps
+from helpers.course.measure import compiled_forward
+from helpers.course.offline import SYNTHETIC
+from helpers.course.report import Results, fmt_bytes, run_dir, table
+from helpers.course.series import Series, load_for_series, save_reference
+from helpers.qtable import keep_table_in_4bit
+from helpers.ring import RingDecoder, group_query_heads
 from helpers.timing import host_peak_bytes, reset_host_peak, time_fed, time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

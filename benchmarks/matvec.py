@@ -16,7 +16,7 @@ import torch
 from cpu_model import cpu_model
 
 import helpers
-from helpers.course import measure  # noqa: E402
+from helpers.course import measure
 from helpers.course.report import table
 from helpers.int4 import GROUP_SIZE, dequantize
 from helpers.timing import time_fn

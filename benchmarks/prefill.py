@@ -23,13 +23,13 @@ from helpers.course.offline import SYNTHETIC
 
 os.environ.setdefault("HELPERS_MODEL", SYNTHETIC)
 
-import helpers  # noqa: E402
-from helpers import decode  # noqa: E402
-from helpers.course import e2b, hub, verdict  # noqa: E402
-from helpers.course.report import table  # noqa: E402
-from helpers.course.series import load_for_series  # noqa: E402
-from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
-from helpers.timing import time_fn  # noqa: E402
+import helpers
+from helpers import decode
+from helpers.course import e2b, hub, verdict
+from helpers.course.report import table
+from helpers.course.series import load_for_series
+from helpers.ring import RingDecoder, group_query_heads
+from helpers.timing import time_fn
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--backend", help="cpu or cuda (default: detected, or $HELPERS_BACKEND)")

@@ -26,18 +26,18 @@ import time
 os.environ.setdefault("HELPERS_BACKEND", "xla")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-import helpers  # noqa: E402
-from helpers import decode, roofline  # noqa: E402
-from helpers.course import audits, e2b, hub  # noqa: E402
-from helpers.course.offline import SYNTHETIC  # noqa: E402
-from helpers.course.report import fmt_bytes, table  # noqa: E402
-from helpers.fused import fuse_projections  # noqa: E402
-from helpers.qlinear import keep_linears_compressed  # noqa: E402
-from helpers.qtable import QTable, keep_embed_in_4bit  # noqa: E402
-from helpers.ring import RingDecoder, group_query_heads  # noqa: E402
+import helpers
+from helpers import decode, roofline
+from helpers.course import audits, e2b, hub
+from helpers.course.offline import SYNTHETIC
+from helpers.course.report import fmt_bytes, table
+from helpers.fused import fuse_projections
+from helpers.qlinear import keep_linears_compressed
+from helpers.qtable import QTable, keep_embed_in_4bit
+from helpers.ring import RingDecoder, group_query_heads
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--max-len", type=int, default=256, help="positions the static cache holds (04, 05, 07)")

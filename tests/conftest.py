@@ -5,8 +5,6 @@ import shutil
 
 import pytest
 
-from helpers.course.report import RUN_DIR_VAR
-
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Test workers share the cores: one thread each (their notebooks' kernels inherit it), or
     # OpenMP's threads oversubscribe them and every op waits 10-100x longer.
@@ -14,6 +12,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+from helpers.course.report import RUN_DIR_VAR  # after the thread limit: it loads torch and its BLAS
 
 # The notebooks checked end to end by nbval (``pytest -m reader --nbval-lax notebooks tests``): each runs in a kernel of
 # its own, in order, with the machine's default threads, as a reader runs it; the cells marked ``# NBVAL_CHECK_OUTPUT``

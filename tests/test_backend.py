@@ -146,7 +146,7 @@ def test_xla_lazy_mode_compiles_per_new_shape():
 def _policy_of(name: str) -> dict:
     """A backend's policy, read without its hardware: the properties decide from the name."""
     from helpers.backend import Backend
-    from helpers.course import hub
+    from helpers.course import hub, measure
 
     backend = object.__new__(Backend)
     backend.name, backend.device = name, torch.device("cuda" if name == "cuda" else "cpu")
@@ -154,6 +154,8 @@ def _policy_of(name: str) -> dict:
     keys += ("runs_compiled_generate", "load_device_map")
     policy = {k: getattr(backend, k) for k in keys}
     policy["default_model"] = hub.default_model(backend)  # the course's, from what the backend says it is
+    if backend.on_tpu:  # no probe runs on a TPU: its bandwidth is Google's published figure
+        policy["bandwidth"] = measure.read_bandwidth(backend)[1]
     if name != "cpu":  # on a CPU it sets inductor's pass for the process: its own test, test_roofline
         policy["matvec loops"] = backend.use_matvec_loops()
     return policy
@@ -172,6 +174,7 @@ def test_each_backend_s_policy_is_one_table(monkeypatch):
     assert [p["matvec loops"] for p in (tpu, xla, cuda)] == [None, None, None]  # a CPU compiler's pass
     monkeypatch.setenv("PJRT_DEVICE", "TPU")  # PyTorch/XLA on a real TPU: a TPU's figures apply
     assert _policy_of("xla")["on_tpu"] and _policy_of("xla")["default_model"] == "e2b"
+    assert tpu["bandwidth"] == _policy_of("xla")["bandwidth"] == "published: TPU v5e, 819 GB/s"
 
 
 def test_no_module_notebook_benchmark_or_test_branches_on_the_backend_s_name():

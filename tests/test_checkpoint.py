@@ -259,7 +259,8 @@ def test_on_a_gpu_where_the_preflight_fits_googles_checkpoint_is_chosen_else_the
 
 @pytest.mark.parametrize("free", [15_000_000_000, 8_000_000_000, None])
 def test_the_fit_is_the_preflights_estimate_against_the_devices_free_memory(free):
-    memory = None if free is None else {"in_use": 0, "peak": 0, "total": free}
+    in_use = 2_000_000_000  # free is what is left of the total
+    memory = None if free is None else {"in_use": in_use, "peak": in_use, "total": free + in_use}
     device = type("FakeGPU", (), {"name": "cuda", "device": torch.device("cuda"), "memory": lambda self: memory})()
     fits, numbers = hub.real_model_fits(device)
     needed = e2b.estimate_device_bytes(e2b.real_config(), dequantize=False)

@@ -27,8 +27,8 @@ def _imports(module: str) -> set[str]:
     for node in ast.walk(ast.parse(_path(module).read_text())):
         if isinstance(node, ast.ImportFrom) and node.level >= 1:
             lessons = node.level == 2 or not in_course  # the lessons' folder, or the course's own
-            if node.module:  # a module, or one of the course's from the package's __init__ (course.setup)
-                found.add(node.module.removeprefix("course."))
+            if node.module:  # from .x import y: the module x
+                found.add(node.module)
             else:  # from . import x: a module, or a name of the package itself
                 pool = LESSONS if lessons else BOOKKEEPING
                 found |= {a.name if a.name in pool else ("__init__" if lessons else "course") for a in node.names}

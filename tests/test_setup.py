@@ -200,13 +200,15 @@ def test_a_runtime_version_that_will_not_do_is_replaced():
 def test_a_restart_is_asked_for_when_the_plan_changes_what_was_imported():
     todo = setup.plan({**COLAB, "torch": "2.8.0"}, PINS, tpu=True, colab=True)
     names = setup.import_names()  # this environment's: transformers is imported as transformers
-    assert setup.stale_imports(set(todo.changed()), {"os", "sys"}, names) == []
-    assert setup.stale_imports(set(todo.changed()), {"torch", "torch.nn"}, names) == ["torch"]
-    assert "transformers" in setup.stale_imports(set(todo.changed()), {"transformers.models"}, names)
+
+    def stale(plan, modules):
+        return setup.stale_imports(set(plan.changed()), modules, names)
+
+    assert stale(todo, {"os", "sys"}) == []
+    assert stale(todo, {"torch", "torch.nn"}) == ["torch"]
+    assert "transformers" in stale(todo, {"transformers.models"})
     torch_tpu_only = setup.Plan(install=["torch_tpu==0.2.0"])
-    assert setup.stale_imports(set(torch_tpu_only.changed()), {"torch"}, names) == [
-        "torch"
-    ]  # its import hook registers at `import torch`
+    assert stale(torch_tpu_only, {"torch"}) == ["torch"]  # its import hook registers at `import torch`
 
 
 def test_the_restart_is_decided_from_real_import_names():
