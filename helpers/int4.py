@@ -35,11 +35,18 @@ def _bf16_at_most(x: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16).float()
 
 
+def _bf16_pair(x: torch.Tensor) -> torch.Tensor:
+    """``x`` to 16 significant bits: a bf16 number plus a bf16 remainder, exact in float32."""
+    high = x.to(torch.bfloat16).float()
+    return high + (x - high).to(torch.bfloat16).float()
+
+
 def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
     """The 4-bit grid a QAT table lies on: int8 codes in [-8, 7] and a step per group with bf16(codes x step) the table
     bit for bit (the step may be finer than bf16, as in Google's ``-ct`` export): each value's rounding interval over
-    its level bounds the step; a step in every bound is kept, bf16 if one fits. Returns (codes, steps float32,
-    found); a group on no grid: codes 0, step 1."""
+    its level bounds the step; a step in every bound is kept, bf16 if one fits, else two bf16 pieces if they fit
+    (``bf16_pieces``: torch's int4 kernels take bf16 scales). Returns (codes, steps float32, found); a group on no
+    grid: codes 0, step 1."""
     flat = table.float().reshape(-1, group_size)
     value = flat.to(torch.bfloat16)
     codes, steps = torch.zeros(flat.shape, dtype=torch.int8), torch.ones(flat.shape[0], dtype=torch.float32)
@@ -60,7 +67,8 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
         hi = torch.where(nonzero, high / size, torch.inf).amin(-1)
         ok &= lo <= hi
         step, exact = torch.zeros(todo.numel(), dtype=torch.float32), torch.zeros(todo.numel(), dtype=torch.bool)
-        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), lo / 2 + hi / 2):
+        middle = lo / 2 + hi / 2
+        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), _bf16_pair(middle), middle):
             fits = ok & ~exact & (candidate > 0) & torch.isfinite(candidate)
             fits &= ((levels.float() * candidate[:, None]).to(torch.bfloat16) == value[todo]).all(-1)
             step = torch.where(fits, candidate, step)
@@ -77,6 +85,16 @@ def exact_scales(steps: torch.Tensor) -> torch.Tensor:
     """``steps`` in bf16 if every one is a bf16 number (half the bytes), else in float32."""
     narrow = steps.to(torch.bfloat16)
     return narrow if torch.equal(narrow.float(), steps.float()) else steps.float()  # a cast, no arithmetic
+
+
+def bf16_pieces(steps: torch.Tensor) -> list[torch.Tensor] | None:
+    """``steps`` as bf16 numbers that sum to them exactly: one piece where each is a bf16 number, else two (each
+    rounded, then its remainder); None where two are not enough."""
+    high = steps.to(torch.bfloat16)
+    low = (steps.float() - high.float()).to(torch.bfloat16)
+    if not torch.equal(high.float() + low.float(), steps.float()):
+        return None
+    return [high, low] if low.any() else [high]
 
 
 def quantize_int4(table: torch.Tensor, group_size: int = GROUP_SIZE) -> tuple[torch.Tensor, torch.Tensor]:

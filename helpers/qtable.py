@@ -6,6 +6,7 @@ import torch
 
 from .int4 import (
     ROWS_PER_BLOCK,
+    bf16_pieces,
     dequantize,
     int4pack,
     int4pack_linear,
@@ -131,25 +132,32 @@ class QTable(torch.nn.Module):
 class QHead(torch.nn.Module):
     """The head tied to a ``QTable``: dequantized, then a matmul; or with ``kernel`` (``Backend.int4_kernel``) the
     table's codes and scales repacked once for torch's int4 kernel, a copy of its own (a gather and the kernel want
-    different layouts), where the kernel holds them exactly."""
+    different layouts), where the kernel holds them exactly. Steps finer than bf16 go through it as two bf16 pieces,
+    one pass over the codes each (``passes``): its bf16 path is some 25x faster than its float32 one at E2B's head."""
 
     def __init__(self, table: QTable, kernel: str | None = None):
         super().__init__()
         self.out_features = table.table.shape[0]  # as the linear it replaces says
+        self.passes = 1
         if kernel:  # the codes unpacked only where a kernel may take them (a TPU has none)
-            codes, scales = unpack_rows(table.packed).to(torch.int8), table.scales
-            kernel = None if kernel_refusal(codes, scales, table.dtype, "int4", kernel) else kernel
+            codes, pieces = unpack_rows(table.packed).to(torch.int8), bf16_pieces(table.scales) or [table.scales]
+            kernel = None if kernel_refusal(codes, pieces[0], table.dtype, "int4", kernel) else kernel
         self.kernel = kernel
         if kernel:
-            packed, scales_and_zeros = int4pack(codes, scales, self.kernel)
+            packed, scales_and_zeros = int4pack(codes, pieces[0], self.kernel)
+            each = [scales_and_zeros] + [scales_and_zeros.clone() for _ in pieces[1:]]
+            for piece, laid_out in zip(pieces[1:], each[1:]):
+                laid_out[..., 0] = piece.t()  # int4pack's layout, the remainders
+            self.passes = len(pieces)
             self.register_buffer("codes", packed)
-            self.register_buffer("scales", scales_and_zeros)
+            self.register_buffer("scales", torch.stack(each))
         else:
             self.table = table
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel:
-            return int4pack_linear(hidden, self.codes, self.scales, self.kernel)
+            pieces = [int4pack_linear(hidden, self.codes, scales, self.kernel).float() for scales in self.scales]
+            return sum(pieces).to(hidden.dtype)
         return torch.nn.functional.linear(hidden, self.table.dequantized())
 
 

@@ -15,9 +15,9 @@ def _row_bytes(table) -> int:
 
 
 def step_bytes(model, cache=None) -> int:
-    """Bytes one decode step reads as stored: every tensor once, one row of each gathered table (the per-layer one, and
-    the main one where the head does not multiply by it: a 4-bit head with a copy of its own), the K and V each layer
-    reads."""
+    """Bytes one decode step reads as stored: every tensor once (a 4-bit head's codes once a pass), one row of each
+    gathered table (the per-layer one, and the main one where the head does not multiply by it: a 4-bit head with a
+    copy of its own), the K and V each layer reads."""
     every = unique_tensors(model)
     head = unique_tensors(model.lm_head)
     tables = [model.model.embed_tokens_per_layer, model.model.embed_tokens]
@@ -26,6 +26,8 @@ def step_bytes(model, cache=None) -> int:
         for key in unique_tensors(table):
             every.pop(key, None)
     weights = sum(t.numel() * t.element_size() for t in every.values())
+    if getattr(model.lm_head, "passes", 1) > 1:  # steps finer than bf16: torch's kernel reads the codes again
+        weights += (model.lm_head.passes - 1) * model.lm_head.codes.numel() * model.lm_head.codes.element_size()
     rows = sum(_row_bytes(table) for table in gathered)
     return weights + rows + (cache_read_bytes(model, cache) if cache is not None else 0)
 

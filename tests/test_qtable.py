@@ -290,6 +290,39 @@ def test_the_kernel_is_refused_where_it_would_not_hold_the_checkpoints_values():
     assert int4.kernel_refusal(codes, scales, torch.bfloat16, "int4-bytes", "cpu") is None
 
 
+def test_a_head_with_steps_finer_than_bf16_takes_the_cpu_kernel_in_bf16_once_a_piece_and_a_step_counts_each_pass():
+    """Google's tables step finer than bf16. The recovered steps are two bf16 pieces that sum to them exactly, so the
+    head runs torch's bf16 int4 kernel once a piece (its float32 path is ~25x slower at E2B's head): the pieces read
+    back as code x step exactly, the product is within bf16's tolerance of the table's ``F.linear``, and a step reads
+    the codes once a pass."""
+    from helpers import roofline
+
+    levels = torch.randint(-7, 8, (64, 256), generator=torch.Generator().manual_seed(3)).float()
+    steps = torch.rand(64, 8, generator=torch.Generator().manual_seed(4)) * 0.05 + 1e-3
+    table = Gemma4TextScaledWordEmbedding(64, 256, 0, embed_scale=16.0).to(torch.bfloat16)
+    with torch.no_grad():
+        table.weight.copy_((levels * steps.repeat_interleave(32, 1)).to(torch.bfloat16))
+    module = q.QTable.from_embedding(table, exact_only=True)[0]
+    high, low = int4.bf16_pieces(module.scales)  # two: no step here is a bf16 number
+    assert module.scales.dtype == torch.float32 and torch.equal(high.float() + low.float(), module.scales)
+    head = q.QHead(module, "cpu")
+    assert head.kernel == "cpu" and head.passes == 2 and head.scales.dtype == torch.bfloat16
+    # in float32 the kernel reads code x piece exactly (20 significant bits at most), so their sum is code x step
+    values = sum(int4.int4pack_values(head.codes, s.float(), "cpu") for s in head.scales)
+    codes = int4.unpack_rows(module.packed).float()
+    assert torch.equal(values, codes * module.scales.repeat_interleave(32, 1))
+    assert torch.equal(values.bfloat16(), table.weight)  # the table's values, bit for bit
+    for rows in (1, 3):
+        x = torch.randn(1, rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        within_bf16_rounding(head(x), x, table.weight, roundings=3)
+    model = torch.nn.Module()  # the parts step_bytes reads: two gathered tables and the head with its own copy
+    model.model, model.lm_head = torch.nn.Module(), head
+    model.model.embed_tokens, model.model.embed_tokens_per_layer = module, q.QTable.from_embedding(table)[0]
+    codes_bytes, scales_bytes = head.codes.numel() * head.codes.element_size(), head.scales.numel() * 2
+    rows = 2 * module.table.shape[1] * module.table.element_size()
+    assert roofline.step_bytes(model) == 2 * codes_bytes + scales_bytes + rows
+
+
 def test_each_row_is_its_codes_then_its_float32_steps_padded_to_128_words_for_a_tpus_gather():
     module, report = q.QTable.from_embedding(_grid_table())
     assert module.table.dtype == torch.int32 and module.table.shape == (64, 128) == (64, report["row words"])
