@@ -292,7 +292,7 @@ def test_the_kernel_is_refused_where_it_would_not_hold_the_checkpoints_values():
 
 def test_a_head_with_steps_finer_than_bf16_takes_the_cpu_kernel_in_bf16_once_a_piece_and_a_step_counts_each_pass():
     """Google's tables step finer than bf16. The recovered steps are two bf16 pieces that sum to them exactly, so the
-    head runs torch's bf16 int4 kernel once a piece (its float32 path is ~25x slower at E2B's head): the pieces read
+    head runs torch's bf16 int4 kernel once a piece (not its far slower float32 path): the pieces read
     back as code x step exactly, the product is within bf16's tolerance of the table's ``F.linear``, and a step reads
     the codes once a pass."""
     from helpers import roofline
