@@ -205,14 +205,6 @@ class Backend:
         return not self.lazy
 
     @property
-    def donates_in_a_drafting_call(self) -> bool:
-        """Whether notebook 09's call (a verify, then the next drafts) may donate its K/V: not on xla, where torch_xla
-        2.9's dynamo bridge then fails it (on the ring, an IndexError in its output deduper, then "Executable expected
-        parameter 0 of size 8"; on the static cache, "buffer ... is deleted" as the drafts read it), so the call there
-        copies them."""
-        return not self.lazy
-
-    @property
     def xla_dump_folder(self):
         """Where XLA dumps its programs: on xla started with ``HELPERS_XLA_AUDIT=1``."""
         return dump_folder() if self.lazy else None

@@ -70,8 +70,8 @@ def allocated_layers(model, make_layer) -> list:
 def set_length(cache: Cache, length) -> None:
     """Rewind or advance every allocated layer to ``length`` positions (a device tensor: the same program for any)."""
     for layer in cache.layers:
-        if layer.is_initialized:
-            layer.cumulative_length.fill_(length)
+        if layer.is_initialized:  # not fill_: with a tensor, PyTorch/XLA runs it on the host, splitting the program
+            layer.cumulative_length.zero_().add_(length)
 
 
 def kv_buffers(cache) -> list[torch.Tensor]:

@@ -82,6 +82,13 @@ def draft_bytes(decoder) -> int:
     return weights + sum(t.numel() * t.element_size() for layer in owners for t in (layer.keys, layer.values))
 
 
+def leading(agree: torch.Tensor) -> torch.Tensor:
+    """How many of ``agree`` [K] (bool) hold before the first that does not: its index, else K. A minimum, not a
+    ``cumprod``: PyTorch/XLA runs cumprod on the host, which split a call in programs around it."""
+    steps = torch.arange(agree.shape[0], device=agree.device)
+    return torch.where(agree, agree.shape[0], steps).min()
+
+
 class Drafted:
     """Notebook 09's additions to a decoder (first among its bases): each call verifies ``draft_tokens`` (K) drafts, a
     forward of K+1 tokens, then drafts the next call's K with ``assistant``, in one compiled program (a prefill drafts
@@ -140,11 +147,6 @@ class Drafted:
         cap = self.model.config.get_text_config().final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def donate(self) -> None:
-        """A verify's K/V, written in place: reused, not copied (where the backend's bridge allows it in this call)."""
-        if self.backend.donates_in_a_drafting_call:
-            self.backend.donate(*kv_buffers(self.cache))
-
     def rewind(self, length) -> None:
         """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
         set_length(self.cache, length)
@@ -153,7 +155,7 @@ class Drafted:
         """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts it keeps
         (``judge``), then its own token after them. Returns those tokens [1, K+1] (-1 past them), the last one, the
         position it goes at and the hidden state before it."""
-        self.donate()
+        self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
         tokens = torch.cat([token, drafts], dim=1)
         steps = torch.arange(tokens.shape[1], device=tokens.device)
         positions = position + steps
@@ -173,7 +175,7 @@ class Drafted:
         """How many of ``drafts`` [K] the target keeps, and the token it makes after each of the K+1 positions [K+1],
         from its ``logits`` [K+1, vocab] at positions ``at``: greedy, the drafts before its first disagreement."""
         made = self.pick(logits, at)[:, 0]
-        return (drafts == made[:-1]).cumprod(0).sum(), made
+        return leading(drafts == made[:-1]), made
 
     def verify_and_draft(self, token, position, drafts, q=None):
         """One call: ``verify``, then the next call's drafts from the token and hidden state it leaves (``draft``)."""
@@ -312,7 +314,7 @@ class Speculative(Sampled):
         p = self.sampler.scores(logits).softmax(-1)  # [K+1, vocab]: the target's, after each token
         chosen = drafts[:, None]
         uniform = torch.exp(-torch.exp(-gumbel(self.seed + 3, at[:-1], 1)[:, 0]))  # a Gumbel variable back to (0, 1)
-        kept = (uniform * q.gather(1, chosen)[:, 0] < p[:-1].gather(1, chosen)[:, 0]).long().cumprod(0).sum()
+        kept = leading(uniform * q.gather(1, chosen)[:, 0] < p[:-1].gather(1, chosen)[:, 0])
         beyond = (p[:-1] - q).clamp_min(0)  # all 0 only where p = q up to rounding: then p itself
         beyond = torch.where(beyond.sum(-1, keepdim=True) > 0, beyond, p[:-1])
         return kept, self.draw(torch.cat([beyond, p[-1:]]), at, 2)  # row i: drawn if drafts before i are kept

@@ -323,13 +323,6 @@ def head(self, hidden):
 
 
 @helpers.add_to_class(Drafted)
-def donate(self) -> None:
-    """A verify's K/V, written in place: reused, not copied (where the backend's bridge allows it in this call)."""
-    if self.backend.donates_in_a_drafting_call:
-        self.backend.donate(*kv_buffers(self.cache))
-
-
-@helpers.add_to_class(Drafted)
 def rewind(self, length) -> None:
     """Forget positions from ``length`` (a device tensor) on: the rejected drafts'."""
     set_length(self.cache, length)
@@ -347,7 +340,7 @@ def verify(self, token, drafts, position, q=None):
     """The target on ``token`` then the drafts, in one forward (its weights read once): the drafts it keeps
     (``judge``), then its own token after them. Returns those tokens [1, K+1] (-1 past them), the last one, the
     position it goes at and the hidden state before it."""
-    self.donate()
+    self.backend.donate(*kv_buffers(self.cache))  # written in place below: reused, not copied (xla)
     tokens = torch.cat([token, drafts], dim=1)
     steps = torch.arange(tokens.shape[1], device=tokens.device)
     positions = position + steps
@@ -364,12 +357,19 @@ def verify(self, token, drafts, position, q=None):
     )
 
 
+def leading(agree: torch.Tensor) -> torch.Tensor:
+    """How many of ``agree`` [K] (bool) hold before the first that does not: its index, else K. A minimum, not a
+    ``cumprod``: PyTorch/XLA runs cumprod on the host, which split a call in programs around it."""
+    steps = torch.arange(agree.shape[0], device=agree.device)
+    return torch.where(agree, agree.shape[0], steps).min()
+
+
 @helpers.add_to_class(Drafted)
 def judge(self, drafts, q, logits, at):
     """How many of ``drafts`` [K] the target keeps, and the token it makes after each of the K+1 positions [K+1],
     from its ``logits`` [K+1, vocab] at positions ``at``: greedy, the drafts before its first disagreement."""
     made = self.pick(logits, at)[:, 0]
-    return (drafts == made[:-1]).cumprod(0).sum(), made
+    return leading(drafts == made[:-1]), made
 
 
 @helpers.add_to_class(Drafted)
@@ -551,9 +551,9 @@ ax.set_title(f"drafts kept, {checkpoint.name} on {backend.name}, this run")
 ax.legend()
 
 # %% [markdown]
-# **What you should see:** the same tokens on both caches, 2 graphs then 0 (on PyTorch/XLA 2.9
-# a call copies its K/V instead of reusing them, on both caches: its dynamo bridge fails the call
-# with them [donated](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated)),
+# **What you should see:** the same tokens on both caches, 2 graphs then 0 (a call writes its K/V
+# in place, [donated](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#aliased-donated) as the step's are; on PyTorch/XLA no op of a call runs on the host,
+# which is why `judge` takes a minimum and not a `cumprod`: CI's xla job audits both),
 # and close to K+1 tokens per verify on the twin (its assistant learned the twin's few answers).
 # Whether that is faster depends on what a call costs against one step: the verify of K+1 tokens
 # and the K drafts (the next section computes it for a v5e-1). On a CPU, the twin's step is bound by Python and dispatch, so the ratio shows the calls
@@ -641,7 +641,7 @@ class Speculative(Sampled):
         p = self.sampler.scores(logits).softmax(-1)  # [K+1, vocab]: the target's, after each token
         chosen = drafts[:, None]
         uniform = torch.exp(-torch.exp(-gumbel(self.seed + 3, at[:-1], 1)[:, 0]))  # a Gumbel variable back to (0, 1)
-        kept = (uniform * q.gather(1, chosen)[:, 0] < p[:-1].gather(1, chosen)[:, 0]).long().cumprod(0).sum()
+        kept = leading(uniform * q.gather(1, chosen)[:, 0] < p[:-1].gather(1, chosen)[:, 0])
         beyond = (p[:-1] - q).clamp_min(0)  # all 0 only where p = q up to rounding: then p itself
         beyond = torch.where(beyond.sum(-1, keepdim=True) > 0, beyond, p[:-1])
         return kept, self.draw(torch.cat([beyond, p[-1:]]), at, 2)  # row i: drawn if drafts before i are kept

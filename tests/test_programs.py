@@ -1,5 +1,5 @@
 """The compiled programs as XLA builds them (the xla job, XLA's CPU compiler, the twin): the
-decode step and the prefill write the KV cache in place (every cache buffer aliased input to
+decode step, the prefill and notebook 09's call write the KV cache in place (every cache buffer aliased input to
 output, nothing copied), no 64-bit integer work over a table row or the vocabulary (the 4-bit
 unpack and the sampling noise are 32-bit), and the 4-bit table dequantizes only the rows it
 gathers. Elsewhere: the dump's parsing, on a program of known shape."""
@@ -44,6 +44,33 @@ def test_the_step_and_the_prefill_write_every_cache_buffer_in_place(xla_series, 
     tokens, rows = _audits(decoder, xla_series)
     assert xla_series.same_tokens(tokens)
     assert len(rows) == 2, rows  # the prefill (a bucket, or a chunk) and the decode step
+    for row in rows:
+        assert row["cache_buffers"] == len(decode.kv_buffers(decoder.cache)) == row["cache_aliased"], row
+        assert row["cache_bytes_copied"] == 0
+
+
+@needs_xla
+@pytest.mark.parametrize("kind", ["DraftDecoder", "DraftRingDecoder"])
+def test_notebook_09s_prefill_and_call_write_every_cache_buffer_in_place_and_run_no_op_on_the_host(xla_series, kind):
+    """A call (a verify, then the next drafts) donates its K/V as the step does, and none of its own ops falls back to
+    the host: two did (``cumprod`` in the judge, ``fill_`` with a tensor in the rewind), torch_xla split the call in
+    programs around them, and the K/V it had donated were deleted before the drafts read them. The one op left on the
+    host is the 4-bit table's (notebook 05): its float32 steps read from int32 bits, a dtype view torch_xla 2.9 does
+    not lower, in the step's programs too."""
+    import torch_xla.debug.metrics as met
+
+    from helpers import draft
+    from helpers.course import offline
+
+    backend = helpers.get_backend()
+    folder = offline.build_twin_assistant(xla_series.checkpoint.path)
+    assistant = draft.load_assistant(folder, backend, torch.float32)
+    decoder = getattr(draft, kind)(xla_series.model, assistant, backend, 128, 2)
+    met.clear_all()
+    tokens, rows = _audits(decoder, xla_series)
+    assert met.executed_fallback_ops() == ["aten::view_copy.dtype"], met.executed_fallback_ops()
+    assert xla_series.same_tokens(tokens)
+    assert len(rows) == 2, rows  # the prefill (it drafts the first call's tokens) and the call
     for row in rows:
         assert row["cache_buffers"] == len(decode.kv_buffers(decoder.cache)) == row["cache_aliased"], row
         assert row["cache_bytes_copied"] == 0
