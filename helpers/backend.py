@@ -92,6 +92,17 @@ def enable_dump() -> pathlib.Path:
     return folder
 
 
+def _set_tpu_eager_mode(eager) -> None:
+    """TorchTPU's eager mode for the process, set once where the backend is made (strict eager, ``DEFER_NEVER``: an
+    eager op compiles once per shape, where a deferred one compiles per scalar value too; in 0.2.0's wheel only strict
+    eager donates an in-place op's buffer). 0.2.0 sets it through its module's ``eager_mode`` property (its
+    ``set_eager_mode`` is a scope); an earlier wheel's ``set_eager_mode``, beside ``get_eager_mode``, sets it."""
+    if hasattr(torch.tpu, "get_eager_mode"):
+        torch.tpu.set_eager_mode(eager)
+    else:
+        torch.tpu.eager_mode = eager
+
+
 @contextlib.contextmanager
 def _tpu_eager_mode(eager):
     """TorchTPU's eager mode for a block: 0.2.0's ``set_eager_mode`` is a context manager; an earlier wheel's sets the
@@ -143,6 +154,8 @@ class Backend:
             # the CPU client's sync waits: torch_xla 2.9 crashed (SIGSEGV, SIGABRT) reading while an async sync ran
             self._sync_waits = os.environ["PJRT_DEVICE"] == "CPU"
         else:
+            if name == "tpu":  # before any op
+                _set_tpu_eager_mode(torch.tpu.EagerMode.DEFER_NEVER)
             self.device = torch.device(name)
         if name == "cpu":
             # process-wide: kernels read the thread count when they run, so one compile cache serves one thread

@@ -24,7 +24,8 @@
 # A TPU is fast only when it is handed big programs. This notebook runs one small stack of
 # ops three ways and counts what the device is asked to run:
 #
-# - **eager**: op by op, one device program per op;
+# - **eager**: op by op, one device program per op (on a TPU the course's backend sets TorchTPU's
+#   strict eager, `DEFER_NEVER`, once for the process when it is made; a block below may defer);
 # - **defer-and-fuse**: ops are recorded, then run as one fused program when a result is
 #   needed (TorchTPU's `DEFER_AND_FUSE`, or PyTorch/XLA's lazy tensors);
 # - **`torch.compile`**: the whole function is traced ahead and compiled once per input shape:

@@ -441,8 +441,9 @@ assert sum(counts) > 1
 # how many are aliased, the bytes copied per call.
 #
 # On a TPU, TorchTPU's `torch.compile` backend does not write the cache in place. Its sources
-# (`torch_tpu/_internal/compile/_backend.py` in the public mirror `jonathan1920/torch_tpu`) call
-# `aot_autograd(..., keep_inference_input_mutations=False)`, and it takes no option for donation.
+# (`torch_tpu/_internal/compile/_backend.py`, in the 0.2.0 wheel on PyPI and in the public mirror
+# `jonathan1920/torch_tpu`) call `aot_autograd(..., keep_inference_input_mutations=False)`, and it
+# takes no option for donation. (Its eager in-place ops, in strict eager, do donate their buffers.)
 # A mutated input is [functionalized](https://github.com/OWNER/gemma4-on-tpu/blob/main/docs/glossary.md#functionalized): the program returns the updated cache as a new
 # buffer, and torch's own runtime wrapper copies it back into the cache's tensor after each
 # call (`copy_`). At 131,328 positions that is about 1.6 GB more traffic a token, and a second

@@ -250,3 +250,26 @@ def test_torchtpus_eager_mode_as_0_2_0_scopes_it_and_as_an_earlier_setter_it_is_
         with backend().mode("defer_and_fuse"):
             assert current == ["fuse"]
     assert current == ["never"]
+
+
+def test_torchtpus_eager_mode_is_set_once_for_the_process_where_the_backend_is_made(monkeypatch):
+    """Strict eager, set by the backend itself: through 0.2.0's ``eager_mode`` property (its ``set_eager_mode`` is a
+    scope, a bare call of which sets nothing), or an earlier wheel's setter. Stand-ins of each, as above."""
+    import types
+
+    from helpers.backend import Backend
+
+    modes = types.SimpleNamespace(DEFER_AND_FUSE="fuse", DEFER_NEVER="never")
+    wheel = types.SimpleNamespace(EagerMode=modes, eager_mode="fuse", set_eager_mode=lambda mode: None)
+    monkeypatch.setattr(torch, "tpu", wheel, raising=False)
+    with pytest.raises(RuntimeError, match="tpu"):  # torch here has no "tpu" device: the mode is set before it is made
+        Backend("tpu")
+    assert wheel.eager_mode == "never"
+    current = ["fuse"]
+    earlier = types.SimpleNamespace(
+        EagerMode=modes, get_eager_mode=lambda: current[0], set_eager_mode=lambda mode: current.__setitem__(0, mode)
+    )
+    monkeypatch.setattr(torch, "tpu", earlier, raising=False)
+    with pytest.raises(RuntimeError, match="tpu"):
+        Backend("tpu")
+    assert current == ["never"]
