@@ -134,7 +134,7 @@ class QHead(torch.nn.Module):
     table's codes and scales repacked once for torch's int4 kernel, a copy of its own (a gather and the kernel want
     different layouts), where the kernel holds them exactly. Steps finer than bf16 go through it as two bf16 pieces,
     one pass over the codes each (``passes``). At full size on a CPU, the head rows were 0.41x the bf16 loops through
-    its float32 path and 1.50x through two bf16 passes (docs/full-size.md)."""
+    its float32 path, 1.41-1.60x through two bf16 passes (docs/full-size.md)."""
 
     def __init__(self, table: QTable, kernel: str | None = None):
         super().__init__()
