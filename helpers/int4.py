@@ -35,10 +35,10 @@ def _bf16_at_most(x: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int16).view(torch.bfloat16).float()
 
 
-def _bf16_pair(x: torch.Tensor) -> torch.Tensor:
-    """``x`` to 16 significant bits: a bf16 number plus a bf16 remainder, exact in float32."""
-    high = x.to(torch.bfloat16).float()
-    return high + (x - high).to(torch.bfloat16).float()
+def _bf16_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32) rounded to bf16, and what is left of it rounded to bf16: their sum is exact in float32."""
+    high = x.to(torch.bfloat16)
+    return high, (x.float() - high.float()).to(torch.bfloat16)
 
 
 def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
@@ -68,7 +68,8 @@ def recover_grid(table: torch.Tensor, group_size: int = GROUP_SIZE):
         ok &= lo <= hi
         step, exact = torch.zeros(todo.numel(), dtype=torch.float32), torch.zeros(todo.numel(), dtype=torch.bool)
         middle = lo / 2 + hi / 2
-        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), _bf16_pair(middle), middle):
+        pair = sum(piece.float() for piece in _bf16_split(middle))  # 16 significant bits: two bf16 pieces
+        for candidate in (_bf16_at_least(lo), _bf16_at_most(hi), pair, middle):
             fits = ok & ~exact & (candidate > 0) & torch.isfinite(candidate)
             fits &= ((levels.float() * candidate[:, None]).to(torch.bfloat16) == value[todo]).all(-1)
             step = torch.where(fits, candidate, step)
@@ -90,8 +91,7 @@ def exact_scales(steps: torch.Tensor) -> torch.Tensor:
 def bf16_pieces(steps: torch.Tensor) -> list[torch.Tensor] | None:
     """``steps`` as bf16 numbers that sum to them exactly: one piece where each is a bf16 number, else two (each
     rounded, then its remainder); None where two are not enough."""
-    high = steps.to(torch.bfloat16)
-    low = (steps.float() - high.float()).to(torch.bfloat16)
+    high, low = _bf16_split(steps)
     if not torch.equal(high.float() + low.float(), steps.float()):
         return None
     return [high, low] if low.any() else [high]

@@ -139,7 +139,6 @@ class QHead(torch.nn.Module):
     def __init__(self, table: QTable, kernel: str | None = None):
         super().__init__()
         self.out_features = table.table.shape[0]  # as the linear it replaces says
-        self.passes = 1
         if kernel:  # the codes unpacked only where a kernel may take them (a TPU has none)
             codes, pieces = unpack_rows(table.packed).to(torch.int8), bf16_pieces(table.scales) or [table.scales]
             kernel = None if kernel_refusal(codes, pieces[0], table.dtype, "int4", kernel) else kernel
@@ -149,11 +148,15 @@ class QHead(torch.nn.Module):
             each = [scales_and_zeros] + [scales_and_zeros.clone() for _ in pieces[1:]]
             for piece, laid_out in zip(pieces[1:], each[1:]):
                 laid_out[..., 0] = piece.t()  # int4pack's layout, the remainders
-            self.passes = len(pieces)
             self.register_buffer("codes", packed)
             self.register_buffer("scales", torch.stack(each))
         else:
             self.table = table
+
+    @property
+    def passes(self) -> int:
+        """The kernel's passes over the codes a step: one per bf16 piece of the steps (1 with no kernel)."""
+        return self.scales.shape[0] if self.kernel else 1
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.kernel:

@@ -318,7 +318,10 @@ def test_a_head_with_steps_finer_than_bf16_takes_the_cpu_kernel_in_bf16_once_a_p
     model = torch.nn.Module()  # the parts step_bytes reads: two gathered tables and the head with its own copy
     model.model, model.lm_head = torch.nn.Module(), head
     model.model.embed_tokens, model.model.embed_tokens_per_layer = module, q.QTable.from_embedding(table)[0]
-    codes_bytes, scales_bytes = head.codes.numel() * head.codes.element_size(), head.scales.numel() * 2
+    codes_bytes, scales_bytes = (
+        head.codes.numel() * head.codes.element_size(),
+        head.scales.numel() * head.scales.element_size(),
+    )
     rows = 2 * module.table.shape[1] * module.table.element_size()
     assert roofline.step_bytes(model) == 2 * codes_bytes + scales_bytes + rows
 
